@@ -1,0 +1,3 @@
+"""Version of tidal-arena (all tidal packages release together at one version)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""Version of tidal-plan (all tidal packages release together at one version)."""
+
+__version__ = "0.1.0"

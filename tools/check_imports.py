@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Check the package import DAG declared in pyproject.toml [tool.tidal.import-dag].
+
+A tidal package may import only the siblings listed for it, and only their public names (no
+``tidal_x._private`` modules, no names missing from the sibling's ``__all__``). Prints one line per
+violation and exits 1 if any.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _public_names(pkg_dir: Path) -> set[str] | None:
+    """The sibling's ``__all__`` read statically from its ``__init__.py`` (None if it has none)."""
+    init = pkg_dir / "__init__.py"
+    for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return None
+
+
+def main() -> int:
+    dag: dict[str, list[str]] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["tidal"]["import-dag"]
+    src_dirs = {p.name: p for p in ROOT.glob("packages/*/src/*") if p.is_dir() and p.name in dag}
+    public = {name: _public_names(path) for name, path in src_dirs.items()}
+    bad = []
+    for pkg, path in sorted(src_dirs.items()):
+        for f in sorted(path.rglob("*.py")):
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found = [(a.name, None) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    found = [(node.module, [a.name for a in node.names])]
+                else:
+                    continue
+                for module, names in found:
+                    parts = module.split(".")
+                    top = parts[0]
+                    if top not in dag or top == pkg:
+                        continue
+                    where = f"{f.relative_to(ROOT)}:{node.lineno}"
+                    if top not in dag[pkg]:
+                        bad.append(f"{where}: {pkg} imports {module}; allowed: {dag[pkg] or 'no tidal package'}")
+                    elif len(parts) > 1 and parts[1] != "__about__":
+                        bad.append(f"{where}: {pkg} imports {module}; import public names from {top} itself")
+                    elif names and public.get(top) is not None:
+                        hidden = [n for n in names if n not in public[top]]
+                        if hidden:
+                            bad.append(f"{where}: {pkg} imports {hidden} from {top}, not in its __all__")
+    for line in bad:
+        print(line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU suite: on a GPU machine with torch/triton/cupy/transformers/peft preinstalled and no network.
+# Puts every package's src on PYTHONPATH (no install), runs `pytest -m gpu` per package and over
+# tests-integration/ with TIDAL_REQUIRE_GPU=1, writes JUnit XML + full logs under $OUT when set, and
+# prints a per-package passed/failed/time table last. Extra arguments go to every pytest call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+out=${OUT:-$root/.gpu-results}
+mkdir -p "$out"
+export TIDAL_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$(ls -d "$root"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
+# tidal-testing is loaded as a plugin explicitly, since nothing is pip-installed here
+plugin=(-p tidal_testing.plugin)
+targets=()
+for d in packages/*/tests tests-integration; do [ -d "$d" ] && targets+=("$d"); done
+summary=()
+total_start=$(date +%s)
+status=0
+for t in "${targets[@]}"; do
+  name=$(echo "$t" | sed 's#packages/##; s#/tests##')
+  start=$(date +%s.%N)
+  python3 -m pytest -m gpu "${plugin[@]}" -q "$t" --junitxml="$out/junit-$name.xml" "$@" >"$out/log-$name.txt" 2>&1
+  rc=$?
+  secs=$(python3 -c "print(f'{$(date +%s.%N)-$start:.1f}')")
+  counts=$(python3 - "$out/junit-$name.xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+try:
+    r = ET.parse(sys.argv[1]).getroot()
+    s = r if r.tag == "testsuite" else r.find("testsuite")
+    t, f, e, k = (int(s.get(x, 0)) for x in ("tests", "failures", "errors", "skipped"))
+    print(f"{t - f - e - k} {f + e} {k}")
+except Exception:
+    print("0 0 0")
+PY
+)
+  read -r passed failed skipped <<<"$counts"
+  # exit 5 = nothing gpu-marked in that package: not a failure
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; tail -n 30 "$out/log-$name.txt"; fi
+  summary+=("$(printf '%-18s %7s %7s %8s %8ss' "$name" "$passed" "$failed" "$skipped" "$secs")")
+done
+cat "$out"/log-*.txt > "$out/gpu-suite.log" 2>/dev/null
+echo
+printf '%-18s %7s %7s %8s %9s\n' package passed failed skipped time
+printf '%s\n' "${summary[@]}"
+echo "GPU suite: $(( $(date +%s) - total_start )) s total, status $status"
+exit $status

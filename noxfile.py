@@ -105,14 +105,24 @@ def gpu(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Micro benchmarks (pytest-benchmark) anywhere; compare.py / quality.py only where a GPU is present."""
-    _install(session, list(PACKAGES), [*PACKAGES["tidal"]["extra"], "pytest-benchmark", "safetensors", "matplotlib"])
+    _install(
+        session,
+        list(PACKAGES),
+        [*PACKAGES["tidal"]["extra"], "pytest-benchmark", "safetensors", "matplotlib"],
+    )
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     session.run(
-        "pytest", "benchmarks", "--benchmark-only", f"--benchmark-json={out / 'micro-local.json'}", *session.posargs
+        "pytest",
+        "benchmarks",
+        "--benchmark-only",
+        f"--benchmark-json={out / 'micro-local.json'}",
+        *session.posargs,
     )
     if shutil.which("nvidia-smi") is None:
-        session.log("no GPU here: skipped benchmarks/compare.py and benchmarks/quality.py (run them on a GPU machine)")
+        session.log(
+            "no GPU here: skipped benchmarks/compare.py and benchmarks/quality.py (run them on a GPU machine)"
+        )
         return
     session.run("python", "benchmarks/compare.py", "--scenario", "lora14b", "--vram-gb", "24")
     session.run("python", "benchmarks/quality.py")
@@ -122,5 +132,7 @@ def bench(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Install the meta-package (with the hf extra) and run the main job: `tidal demo`."""
     session.install(_torch_spec("2.13") if not os.environ.get("TIDAL_TORCH") else os.environ["TIDAL_TORCH"])
-    session.install(*_local("tidal-arena", "tidal-quant", "tidal-plan", "tidal-stream", "tidal-kv", "tidal-hf", "tidal"))
+    session.install(
+        *_local("tidal-arena", "tidal-quant", "tidal-plan", "tidal-stream", "tidal-kv", "tidal-hf", "tidal")
+    )
     session.run("tidal", "demo", *session.posargs)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ast
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,9 @@ def _public_names(pkg_dir: Path) -> set[str] | None:
 
 
 def main() -> int:
-    dag: dict[str, list[str]] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["tidal"]["import-dag"]
+    dag: dict[str, list[str]] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["tidal"][
+        "import-dag"
+    ]
     src_dirs = {p.name: p for p in ROOT.glob("packages/*/src/*") if p.is_dir() and p.name in dag}
     public = {name: _public_names(path) for name, path in src_dirs.items()}
     bad = []
@@ -47,7 +50,9 @@ def main() -> int:
                         continue
                     where = f"{f.relative_to(ROOT)}:{node.lineno}"
                     if top not in dag[pkg]:
-                        bad.append(f"{where}: {pkg} imports {module}; allowed: {dag[pkg] or 'no tidal package'}")
+                        bad.append(
+                            f"{where}: {pkg} imports {module}; allowed: {dag[pkg] or 'no tidal package'}"
+                        )
                     elif len(parts) > 1 and parts[1] != "__about__":
                         bad.append(f"{where}: {pkg} imports {module}; import public names from {top} itself")
                     elif names and public.get(top) is not None:

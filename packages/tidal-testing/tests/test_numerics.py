@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from tidal_testing import assert_bitwise_equal, assert_sqnr, devices, max_abs_diff, sqnr_db
 
 

@@ -13,7 +13,9 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     Returns ``inf`` when the two are equal. Computed in float64 on the reference's device.
     """
     if reference.shape != approx.shape:
-        raise ValueError(f"sqnr_db: shapes differ: reference {tuple(reference.shape)} vs approx {tuple(approx.shape)}")
+        raise ValueError(
+            f"sqnr_db: shapes differ: reference {tuple(reference.shape)} vs approx {tuple(approx.shape)}"
+        )
     ref = reference.detach().to(torch.float64)
     err = ref - approx.detach().to(device=ref.device, dtype=torch.float64)
     noise = float(err.square().sum())

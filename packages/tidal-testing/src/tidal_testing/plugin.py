@@ -9,7 +9,9 @@ from tidal_testing.devices import REQUIRE_GPU_ENV, cuda_available, require_gpu
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register tidal's markers so ``--strict-markers`` accepts them."""
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one unless TIDAL_REQUIRE_GPU=1)")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA device (skipped without one unless TIDAL_REQUIRE_GPU=1)"
+    )
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
 
 

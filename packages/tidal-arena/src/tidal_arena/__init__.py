@@ -1,6 +1,34 @@
-"""tidal-arena."""
+"""tidal-arena: page-locked host memory on CuPy.
+
+Exact-size slabs carved into aligned blocks (:class:`PinnedArena`), in-place pinning of existing tensors
+(:func:`pin_`), a staging ring for pageable data (:class:`StagingRing`), per-tag accounting and
+event-guarded reuse. Without CUDA or CuPy everything runs on pageable memory (logged once).
+"""
 
 from tidal_arena.__about__ import __version__
-from tidal_arena.errors import ArenaError
+from tidal_arena._backend import CompletedEvent
+from tidal_arena.arena import ArenaStats, Block, EventLike, PinnedArena, arena_stats
+from tidal_arena.config import ArenaConfig, memlock_limit_bytes, physical_ram_bytes
+from tidal_arena.errors import ArenaError, ArenaExhausted, PageLockLimitError
+from tidal_arena.pin import is_registered, pin_, unpin_
+from tidal_arena.staging import StagingRing
 
-__all__ = ["__version__", "ArenaError"]
+__all__ = [
+    "ArenaConfig",
+    "ArenaError",
+    "ArenaExhausted",
+    "ArenaStats",
+    "Block",
+    "CompletedEvent",
+    "EventLike",
+    "PageLockLimitError",
+    "PinnedArena",
+    "StagingRing",
+    "__version__",
+    "arena_stats",
+    "is_registered",
+    "memlock_limit_bytes",
+    "physical_ram_bytes",
+    "pin_",
+    "unpin_",
+]

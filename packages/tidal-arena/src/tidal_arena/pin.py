@@ -1,0 +1,170 @@
+"""`pin_` / `unpin_`: page-lock an existing CPU tensor's memory in place (``cudaHostRegister``), no copy."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+
+import torch
+
+from tidal_arena import _backend
+from tidal_arena._backend import PORTABLE, log_once, profile_range
+from tidal_arena.errors import ArenaError, PageLockLimitError
+
+logger = logging.getLogger(__name__)
+
+#: Below this many bytes per thread, pin_ registers in one call.
+MIN_CHUNK_BYTES = 64 << 20
+
+# data_ptr of a registered storage -> (the storage, its byte count, the registered (ptr, nbytes) pieces).
+# [Note: registered storage lifetime] The storage must not be freed while registered (unregistering
+# freed memory is undefined), so the registry holds a reference until unpin_.
+_REGISTERED: dict[int, tuple[torch.UntypedStorage, int, list[tuple[int, int]]]] = {}
+_LOCK = threading.Lock()
+
+
+def _check_cpu_tensor(where: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: tensor must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{where}: tensor must be on the CPU, got device {tensor.device}. Only host memory can be page-locked."
+        )
+    return tensor
+
+
+def split_pages(ptr: int, nbytes: int, parts: int, page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """Split ``[ptr, ptr + nbytes)`` into at most ``parts`` pieces whose inner boundaries are page-aligned.
+
+    Separate registrations must not share a page (the driver registers whole pages), so every cut falls on a
+    page boundary. The pieces tile the range exactly.
+    """
+    end = ptr + nbytes
+    step = max(page, (nbytes // parts + page - 1) // page * page)
+    cuts = [ptr]
+    nxt = (ptr + step) // page * page
+    while nxt < end and len(cuts) < parts:
+        if nxt > cuts[-1]:
+            cuts.append(nxt)
+        nxt += step
+    cuts.append(end)
+    return [(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _register(runtime: ModuleType, pieces: list[tuple[int, int]], threads: int) -> None:
+    def one(piece: tuple[int, int]) -> None:
+        runtime.hostRegister(piece[0], piece[1], PORTABLE)
+
+    if len(pieces) == 1:
+        one(pieces[0])
+        return
+    done: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-pin") as pool:
+        for piece, fut in [(p, pool.submit(one, p)) for p in pieces]:
+            try:
+                fut.result()
+                done.append(piece)
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        for p, _ in done:  # all or nothing: undo the pieces that did register
+            runtime.hostUnregister(p)
+        raise errors[0]
+
+
+def pin_(tensor: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
+    """Page-lock ``tensor``'s whole storage in place (``cudaHostRegister``): same memory, no copy.
+
+    Afterwards ``tensor.is_pinned()`` is True and copies from it run asynchronously at full PCIe speed. The
+    storage is kept alive until :func:`unpin_`. Registering is slow (about 0.3 s/GiB): do it once, up
+    front. Pinning an already registered tensor is a no-op. Without CUDA or CuPy this logs once and
+    leaves the tensor pageable (counted in ``arena_stats()["pin_noops"]``).
+
+    Args:
+        tensor: a CPU tensor (any dtype, shape; its storage is registered).
+        threads: register in up to this many page-aligned pieces in parallel (pieces of at least 64 MiB).
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        PageLockLimitError: the driver refused to page-lock the memory.
+    """
+    _check_cpu_tensor("pin_", tensor)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"pin_: threads must be an int >= 1, got {threads!r}.")
+    storage = tensor.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes == 0:
+        return tensor
+    runtime, why = _backend.cupy_runtime()
+    if runtime is None:
+        log_once("pin-noop", "tidal-arena: pin_ cannot page-lock (%s); tensors stay pageable", why)
+        _backend.bump_pin("pin_noops")
+        return tensor
+    pieces = split_pages(ptr, nbytes, max(1, min(threads, nbytes // MIN_CHUNK_BYTES)))
+    with _LOCK:
+        if ptr in _REGISTERED:
+            return tensor
+        with profile_range("tidal::arena.pin_"):
+            t0 = time.perf_counter()
+            try:
+                _register(runtime, pieces, threads)
+            except Exception as exc:
+                raise PageLockLimitError(
+                    f"pin_: cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: {exc}. Fix: check ulimit -l "
+                    "and free page-locked memory; a range overlapping another registration (e.g. a view of "
+                    "an already pinned tensor) cannot be registered twice."
+                ) from exc
+            seconds = time.perf_counter() - t0
+        _REGISTERED[ptr] = (storage, nbytes, pieces)
+    _backend.bump_pin("pin_calls")
+    _backend.bump_pin("pinned_in_place_bytes", nbytes)
+    _backend.bump_pin("pin_seconds", seconds)
+    logger.debug("tidal-arena: registered %d bytes in %d piece(s) in %.3f s", nbytes, len(pieces), seconds)
+    return tensor
+
+
+def unpin_(tensor: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`pin_`: unregister ``tensor``'s storage (its data is untouched) and drop the reference.
+
+    Args:
+        tensor: a CPU tensor previously passed to :func:`pin_` (or a tensor over the same storage).
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        ArenaError: CUDA is present and the storage was not pinned by :func:`pin_`.
+    """
+    _check_cpu_tensor("unpin_", tensor)
+    storage = tensor.untyped_storage()
+    ptr = storage.data_ptr()
+    if storage.nbytes() == 0:
+        return tensor
+    runtime, _why = _backend.cupy_runtime()
+    if runtime is None:
+        return tensor  # pin_ was a recorded no-op: nothing to undo
+    with _LOCK:
+        entry = _REGISTERED.pop(ptr, None)
+        if entry is None:
+            raise ArenaError(
+                f"unpin_: the storage at {ptr:#x} was not pinned by pin_ (or was already unpinned). "
+                "Pass the tensor given to pin_."
+            )
+        for piece_ptr, _n in entry[2]:
+            runtime.hostUnregister(piece_ptr)
+    _backend.bump_pin("pinned_in_place_bytes", -entry[1])
+    return tensor
+
+
+def is_registered(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s storage is currently page-locked by :func:`pin_`."""
+    with _LOCK:
+        return tensor.untyped_storage().data_ptr() in _REGISTERED

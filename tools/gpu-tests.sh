@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # The GPU suite: on a GPU machine with torch/triton/cupy/transformers/peft preinstalled and no network.
 # Puts every package's src on PYTHONPATH (no install), runs `pytest -m gpu` per package and over
-# tests-integration/ with TIDAL_REQUIRE_GPU=1, writes JUnit XML + full logs under $OUT when set, and
-# prints a per-package passed/failed/time table last. Extra arguments go to every pytest call.
+# tests-integration/ with TIDAL_REQUIRE_GPU=1, writes one merged JUnit XML (junit.xml), the full log
+# (gpu-suite.log) and the summary (summary.txt) under $OUT when set — three files, since the GPU machine
+# returns only a few — and prints a per-package passed/failed/time table last. Extra arguments go to
+# every pytest call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 out=${OUT:-$root/.gpu-results}
+parts=$(mktemp -d)  # per-package JUnit files and logs, merged into $out at the end
 mkdir -p "$out"
 export TIDAL_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$(ls -d "$root"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
-# tidal-testing is loaded as a plugin explicitly, since nothing is pip-installed here
+# tidal-testing is loaded as a plugin explicitly unless it is pip-installed (its entry point loads it then)
 plugin=(-p tidal_testing.plugin)
+if python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'tidal_testing' for e in m.entry_points(group='pytest11')) else 1)"; then
+  plugin=()
+fi
 targets=()
 for d in packages/*/tests tests-integration; do [ -d "$d" ] && targets+=("$d"); done
 summary=()
@@ -20,10 +26,10 @@ status=0
 for t in "${targets[@]}"; do
   name=$(echo "$t" | sed 's#packages/##; s#/tests##')
   start=$(date +%s.%N)
-  python3 -m pytest -m gpu "${plugin[@]}" -q "$t" --junitxml="$out/junit-$name.xml" "$@" >"$out/log-$name.txt" 2>&1
+  python3 -m pytest -m gpu "${plugin[@]}" -q "$t" --junitxml="$parts/junit-$name.xml" "$@" >"$parts/log-$name.txt" 2>&1
   rc=$?
   secs=$(python3 -c "print(f'{$(date +%s.%N)-$start:.1f}')")
-  counts=$(python3 - "$out/junit-$name.xml" <<'PY'
+  counts=$(python3 - "$parts/junit-$name.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
 try:
     r = ET.parse(sys.argv[1]).getroot()
@@ -36,12 +42,25 @@ PY
 )
   read -r passed failed skipped <<<"$counts"
   # exit 5 = nothing gpu-marked in that package: not a failure
-  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; tail -n 30 "$out/log-$name.txt"; fi
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; tail -n 30 "$parts/log-$name.txt"; fi
   summary+=("$(printf '%-18s %7s %7s %8s %8ss' "$name" "$passed" "$failed" "$skipped" "$secs")")
 done
-cat "$out"/log-*.txt > "$out/gpu-suite.log" 2>/dev/null
-echo
-printf '%-18s %7s %7s %8s %9s\n' package passed failed skipped time
-printf '%s\n' "${summary[@]}"
-echo "GPU suite: $(( $(date +%s) - total_start )) s total, status $status"
+for f in "$parts"/log-*.txt; do echo "===== $(basename "$f" .txt)"; cat "$f"; done >"$out/gpu-suite.log"
+python3 - "$out/junit.xml" "$parts"/junit-*.xml <<'PY'
+import sys, xml.etree.ElementTree as ET
+merged = ET.Element("testsuites")
+for path in sys.argv[2:]:
+    try:
+        r = ET.parse(path).getroot()
+    except Exception:
+        continue
+    merged.extend(r.findall("testsuite") if r.tag == "testsuites" else [r])
+ET.ElementTree(merged).write(sys.argv[1])
+PY
+{
+  printf '%-18s %7s %7s %8s %9s\n' package passed failed skipped time
+  printf '%s\n' "${summary[@]}"
+  echo "GPU suite: $(( $(date +%s) - total_start )) s total, status $status"
+} | tee "$out/summary.txt"
+rm -rf "$parts"
 exit $status

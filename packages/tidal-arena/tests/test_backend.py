@@ -5,7 +5,6 @@ Real page-locking is checked by the gpu-marked tests; these check the lifetime a
 
 import ctypes
 import gc
-import itertools
 
 import pytest
 import torch
@@ -21,8 +20,6 @@ from tidal_arena import (
     pin_,
     unpin_,
 )
-from tidal_arena import pin as pin_module
-from tidal_arena.pin import split_pages
 
 _libc = ctypes.CDLL(None)
 _libc.malloc.restype = ctypes.c_void_p
@@ -163,27 +160,3 @@ def test_cupy_backend_with_device_uses_that_device(fake, monkeypatch):
     arena.alloc(10)
     assert entered == [1]
     arena.close()
-
-
-@pytest.mark.parametrize("ptr_off", [0, 16, 4095])
-@pytest.mark.parametrize("nbytes, parts", [(1, 4), (5000, 3), (10 * 4096 + 7, 4), (1 << 20, 8), (1 << 20, 1)])
-def test_split_pages_tiles_the_range_on_page_boundaries(ptr_off, nbytes, parts):
-    ptr = 0x7F0000000000 + ptr_off
-    pieces = split_pages(ptr, nbytes, parts, page=4096)
-    assert 1 <= len(pieces) <= parts
-    assert pieces[0][0] == ptr and sum(n for _, n in pieces) == nbytes
-    for (a, n), (b, _) in itertools.pairwise(pieces):
-        assert a + n == b and b % 4096 == 0
-
-
-def test_pin_in_parallel_pieces_registers_and_unregisters_every_piece(fake, monkeypatch):
-    monkeypatch.setattr(pin_module, "MIN_CHUNK_BYTES", 1 << 16)
-    x = torch.randn(1 << 17)  # 512 KiB: up to 8 pieces of >= 64 KiB
-    pin_(x, threads=4)
-    ptr = x.untyped_storage().data_ptr()
-    pieces = sorted(fake.registered.items())
-    assert len(pieces) == 4 and pieces[0][0] == ptr and sum(n for _, n in pieces) == x.nbytes
-    unpin_(x)
-    assert fake.registered == {}
-    with pytest.raises(ValueError, match="pin_: threads must be an int >= 1, got 0"):
-        pin_(x, threads=0)

@@ -57,6 +57,9 @@ def cupy_runtime() -> tuple[ModuleType | None, str]:
             return None, "CuPy sees no CUDA device"
     except Exception as exc:
         return None, f"CuPy cannot query devices ({type(exc).__name__}: {exc})"
+    # torch's is_pinned() answers False for every pointer until torch itself has initialised CUDA, so
+    # memory page-locked by CuPy would look pageable to torch (and to non_blocking copies' bookkeeping)
+    torch.cuda.init()
     return cupy.cuda.runtime, ""
 
 

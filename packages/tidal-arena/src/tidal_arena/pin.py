@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import mmap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
 
 import torch
 
@@ -18,13 +14,10 @@ from tidal_arena.errors import ArenaError, PageLockLimitError
 
 logger = logging.getLogger(__name__)
 
-#: Below this many bytes per thread, pin_ registers in one call.
-MIN_CHUNK_BYTES = 64 << 20
-
-# data_ptr of a registered storage -> (the storage, its byte count, the registered (ptr, nbytes) pieces).
+# data_ptr of a registered storage -> (the storage, its byte count).
 # [Note: registered storage lifetime] The storage must not be freed while registered (unregistering
 # freed memory is undefined), so the registry holds a reference until unpin_.
-_REGISTERED: dict[int, tuple[torch.UntypedStorage, int, list[tuple[int, int]]]] = {}
+_REGISTERED: dict[int, tuple[torch.UntypedStorage, int]] = {}
 _LOCK = threading.Lock()
 
 
@@ -38,57 +31,17 @@ def _check_cpu_tensor(where: str, tensor: object) -> torch.Tensor:
     return tensor
 
 
-def split_pages(ptr: int, nbytes: int, parts: int, page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
-    """Split ``[ptr, ptr + nbytes)`` into at most ``parts`` pieces whose inner boundaries are page-aligned.
-
-    Separate registrations must not share a page (the driver registers whole pages), so every cut falls on a
-    page boundary. The pieces tile the range exactly.
-    """
-    end = ptr + nbytes
-    step = max(page, (nbytes // parts + page - 1) // page * page)
-    cuts = [ptr]
-    nxt = (ptr + step) // page * page
-    while nxt < end and len(cuts) < parts:
-        if nxt > cuts[-1]:
-            cuts.append(nxt)
-        nxt += step
-    cuts.append(end)
-    return [(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
-
-
-def _register(runtime: ModuleType, pieces: list[tuple[int, int]], threads: int) -> None:
-    def one(piece: tuple[int, int]) -> None:
-        runtime.hostRegister(piece[0], piece[1], PORTABLE)
-
-    if len(pieces) == 1:
-        one(pieces[0])
-        return
-    done: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-pin") as pool:
-        for piece, fut in [(p, pool.submit(one, p)) for p in pieces]:
-            try:
-                fut.result()
-                done.append(piece)
-            except Exception as exc:
-                errors.append(exc)
-    if errors:
-        for p, _ in done:  # all or nothing: undo the pieces that did register
-            runtime.hostUnregister(p)
-        raise errors[0]
-
-
-def pin_(tensor: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
+def pin_(tensor: torch.Tensor) -> torch.Tensor:
     """Page-lock ``tensor``'s whole storage in place (``cudaHostRegister``): same memory, no copy.
 
     Afterwards ``tensor.is_pinned()`` is True and copies from it run asynchronously at full PCIe speed. The
-    storage is kept alive until :func:`unpin_`. Registering is slow (about 0.3 s/GiB): do it once, up
-    front. Pinning an already registered tensor is a no-op. Without CUDA or CuPy this logs once and
+    storage is kept alive until :func:`unpin_`. Registering costs time (0.06 s for 1 GiB on the GPU
+    machine): do it once, up front. The storage is registered in one call: a CUDA copy cannot span two
+    separate registrations (it fails with cudaErrorInvalidValue), so splitting it across threads is not an option. Pinning an already registered tensor is a no-op. Without CUDA or CuPy this logs once and
     leaves the tensor pageable (counted in ``arena_stats()["pin_noops"]``).
 
     Args:
         tensor: a CPU tensor (any dtype, shape; its storage is registered).
-        threads: register in up to this many page-aligned pieces in parallel (pieces of at least 64 MiB).
 
     Returns:
         ``tensor`` itself.
@@ -97,8 +50,6 @@ def pin_(tensor: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
         PageLockLimitError: the driver refused to page-lock the memory.
     """
     _check_cpu_tensor("pin_", tensor)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"pin_: threads must be an int >= 1, got {threads!r}.")
     storage = tensor.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes == 0:
@@ -108,14 +59,13 @@ def pin_(tensor: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
         log_once("pin-noop", "tidal-arena: pin_ cannot page-lock (%s); tensors stay pageable", why)
         _backend.bump_pin("pin_noops")
         return tensor
-    pieces = split_pages(ptr, nbytes, max(1, min(threads, nbytes // MIN_CHUNK_BYTES)))
     with _LOCK:
         if ptr in _REGISTERED:
             return tensor
         with profile_range("tidal::arena.pin_"):
             t0 = time.perf_counter()
             try:
-                _register(runtime, pieces, threads)
+                runtime.hostRegister(ptr, nbytes, PORTABLE)
             except Exception as exc:
                 raise PageLockLimitError(
                     f"pin_: cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: {exc}. Fix: check ulimit -l "
@@ -123,11 +73,11 @@ def pin_(tensor: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
                     "an already pinned tensor) cannot be registered twice."
                 ) from exc
             seconds = time.perf_counter() - t0
-        _REGISTERED[ptr] = (storage, nbytes, pieces)
+        _REGISTERED[ptr] = (storage, nbytes)
     _backend.bump_pin("pin_calls")
     _backend.bump_pin("pinned_in_place_bytes", nbytes)
     _backend.bump_pin("pin_seconds", seconds)
-    logger.debug("tidal-arena: registered %d bytes in %d piece(s) in %.3f s", nbytes, len(pieces), seconds)
+    logger.debug("tidal-arena: registered %d bytes in %.3f s", nbytes, seconds)
     return tensor
 
 
@@ -158,8 +108,7 @@ def unpin_(tensor: torch.Tensor) -> torch.Tensor:
                 f"unpin_: the storage at {ptr:#x} was not pinned by pin_ (or was already unpinned). "
                 "Pass the tensor given to pin_."
             )
-        for piece_ptr, _n in entry[2]:
-            runtime.hostUnregister(piece_ptr)
+        runtime.hostUnregister(ptr)
     _backend.bump_pin("pinned_in_place_bytes", -entry[1])
     return tensor
 

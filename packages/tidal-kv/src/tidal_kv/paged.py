@@ -1,0 +1,584 @@
+"""`PagedKVCache`: resident layers' K/V in VRAM, offloaded layers' K/V in host pages gathered ahead of use.
+
+[Note: slot lifetime] Offloaded layers attend from one of ``prefetch_slots`` preallocated device slots. The
+K/V that :meth:`PagedKVCache.update` returns for an offloaded layer stay valid until the next ``update`` call
+(of any layer): that next call is where the slot is handed back and may be refilled. This is exactly the
+order of a decoder stack (layer l attends before layer l+1 computes its K/V). Host pages are only ever
+appended; the one partial page of each offloaded layer stays on the device (its "tail").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers
+from tidal_kv.errors import KVConfigError
+from tidal_kv.stats import KVStats
+from tidal_kv.storage import HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
+from tidal_kv.streams import on, record, synchronize, wait
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 64 << 20  # target bytes of one host chunk / staging copy (K and V of several pages)
+
+
+@dataclass
+class _Slot:
+    """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid."""
+
+    k: torch.Tensor  # [B, H, cap, D]
+    v: torch.Tensor  # [B, H, cap, D]
+    owner: int | None = None
+    pages: int = 0
+    ready: Any = None  # event: the H2D copy into this slot finished
+    free_after: Any = None  # event: the compute stream finished reading the previous owner's K/V
+    prefetched_pages: int = 0
+
+
+class PagedKVCache:
+    """A paged KV cache whose offloaded layers live in host pages and are prefetched into device slots.
+
+    Args:
+        num_layers: Attention layers.
+        max_tokens: Tokens per sequence to preallocate; longer sequences reallocate (logged).
+        num_kv_heads: K/V heads (None: from the first update).
+        head_dim: Head dimension (None: from the first update).
+        batch_size: Sequences per batch (None: from the first update).
+        resident_layers: "auto", a count, or explicit layer indices kept in VRAM.
+        page_tokens: Tokens per host page.
+        vram_budget: Bytes of VRAM for "auto" placement (None: ``vram_fraction`` of free VRAM).
+        vram_fraction: Fraction of free VRAM for "auto" placement when ``vram_budget`` is None.
+        dtype: K/V dtype (None: the first update's).
+        storage: Host page format, "native" or "fp8".
+        device: Device (None: the first update's).
+        prefetch_slots: Device gather slots for offloaded layers (2 or 3).
+
+    Raises:
+        KVConfigError: a bad option (it names the option, the value, and what is accepted).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_tokens: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        batch_size: int | None = None,
+        resident_layers: ResidentSpec = "auto",
+        page_tokens: int = 256,
+        vram_budget: int | None = None,
+        vram_fraction: float = 0.5,
+        dtype: torch.dtype | None = None,
+        storage: Storage = "native",
+        device: torch.device | str | None = None,
+        prefetch_slots: int = 2,
+    ) -> None:
+        if isinstance(resident_layers, Sequence) and not isinstance(resident_layers, str):
+            resident_layers = tuple(resident_layers)
+        self.config = KVConfig(
+            num_layers=num_layers,
+            max_tokens=max_tokens,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            batch_size=batch_size,
+            resident_layers=resident_layers,
+            page_tokens=page_tokens,
+            vram_budget=vram_budget,
+            vram_fraction=vram_fraction,
+            dtype=dtype,
+            storage=storage,
+            device=device,
+            prefetch_slots=prefetch_slots,
+        )
+        self.stats = KVStats()
+        self._lengths = [0] * num_layers
+        self._shape: tuple[int, int, int] | None = None  # (B, H, D) once materialized
+        self._dtype: torch.dtype | None = None
+        self._device: torch.device | None = None
+        self._capacity = 0
+        self._resident: list[int] = []
+        self._offloaded: list[int] = []
+        self._free_all()
+
+    # ------------------------------------------------------------------ public API
+
+    def __del__(self) -> None:
+        # [Note: slot lifetime] the slots and staging chunks were allocated on the compute stream but are
+        # written on the H2D stream; the caching allocator only tracks the compute stream, so drain the copy
+        # streams before the memory can be handed out again (a no-op on the CPU and at interpreter shutdown)
+        with contextlib.suppress(Exception):
+            self._sync_copies()
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers in the cache."""
+        return self.config.num_layers
+
+    @property
+    def resident_layers(self) -> list[int]:
+        """Layers whose K/V stay in VRAM (known after the first update unless shapes were given)."""
+        return list(self._resident)
+
+    @property
+    def offloaded_layers(self) -> list[int]:
+        """Layers whose full pages live on the host."""
+        return list(self._offloaded)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence the device buffers hold now (``max_tokens`` until a longer sequence came)."""
+        return self._capacity
+
+    def seq_length(self, layer: int = 0) -> int:
+        """Tokens cached for ``layer``."""
+        self._check_layer(layer)
+        return self._lengths[layer]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``/``v`` to ``layer`` and return all its K/V.
+
+        Args:
+            layer: Layer index.
+            k: ``[B, H, T_new, D]`` new keys.
+            v: ``[B, H, T_new, D]`` new values.
+
+        Returns:
+            ``(keys, values)``, each ``[B, H, T_past + T_new, D]`` on the cache's device. For an offloaded layer
+            they are views into a shared slot, valid until the next ``update`` call (see module note).
+
+        Raises:
+            KVConfigError: ``k``/``v`` do not match the cache (shape, dtype, device) or ``layer`` is out of range.
+        """
+        with record_function("tidal::kv_update"):
+            self._check_layer(layer)
+            self._check_kv(k, v)
+            if self._shape is None:
+                self._materialize(k)
+            self._release_current()
+            new_len = self._lengths[layer] + k.shape[2]
+            if new_len > self._capacity:
+                self._grow(new_len)
+            if layer in self._offloaded_set:
+                out = self._update_offloaded(layer, k, v)
+            else:
+                out = self._update_resident(layer, k, v)
+            self._lengths[layer] = new_len
+            self._prefetch_ahead(layer)
+            return out
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh contiguous copy of ``layer``'s K/V (slow path for inspection; not used while decoding).
+
+        Args:
+            layer: Layer index.
+
+        Returns:
+            ``(keys, values)``, each ``[B, H, T, D]`` on the cache's device, or empty ``[0]`` tensors if nothing
+            is cached yet.
+        """
+        self._check_layer(layer)
+        self.stats.inspections += 1
+        n = self._lengths[layer]
+        if self._shape is None or n == 0:
+            return torch.empty(0), torch.empty(0)
+        if layer not in self._offloaded_set:
+            kb, vb = self._res_buf[layer]  # [B, H, cap, D]
+            return kb[:, :, :n].clone(), vb[:, :, :n].clone()
+        self._sync_copies()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()  # why: the tail and pages must be settled
+        b, h, d = self._shape
+        p, cp = self.config.page_tokens, self._chunk_pages
+        full = n // p
+        out = torch.empty(2, b, h, n, d, dtype=self._dtype, device=self._device)  # [2, B, H, T, D]
+        for page in range(full):
+            chunk, i = divmod(page, cp)
+            src = self._host[layer][chunk]
+            kv = src.data[i].to(self._device)  # [2, B, H, P, D]
+            if self._fp8:
+                kv = dequantize_fp8(kv, src.scale[i].to(self._device), self._dtype)
+            out[:, :, :, page * p : (page + 1) * p].copy_(kv)
+        out[:, :, :, full * p :].copy_(self._tails[layer][:, :, :, : n - full * p])
+        return out[0], out[1]
+
+    def reset(self) -> None:
+        """Forget every cached token (buffers are kept for the next sequence of the same shape)."""
+        self._sync_copies()
+        self._lengths = [0] * self.num_layers
+        self._pending.clear()
+        self._current = None
+        for slot in self._slots:
+            slot.owner, slot.pages, slot.ready, slot.free_after = None, 0, None, None
+        self._flush_done = {}
+
+    def memory(self) -> dict[str, Any]:
+        """Where the cache's bytes are.
+
+        Returns:
+            ``device`` (str), ``resident_layers``, ``offloaded_layers``, ``capacity_tokens``, ``tokens`` (longest
+            layer), ``device_bytes`` (resident buffers + slots + tails + staging), ``host_bytes`` (pages),
+            ``host_pages`` (filled pages on the host), ``all_resident_device_bytes`` (what keeping every layer in
+            VRAM would take at this capacity) and ``device_bytes_saved``.
+        """
+        dev = 0
+        for k, _v in self._res_buf.values():
+            dev += 2 * k.numel() * k.element_size()
+        for s in self._slots:
+            dev += 2 * s.k.numel() * s.k.element_size()
+        for t in self._tails.values():
+            dev += t.numel() * t.element_size()
+        for st in (self._h2d_stage, self._d2h_stage):
+            dev += st.nbytes if st is not None else 0
+        all_res = 0
+        if self._shape is not None:
+            b, h, d = self._shape
+            all_res = self.num_layers * 2 * b * h * self._capacity * d * self._dtype.itemsize
+        host_pages = sum(self._lengths[i] // self.config.page_tokens for i in self._offloaded)
+        return {
+            "device": str(self._device) if self._device is not None else None,
+            "resident_layers": list(self._resident),
+            "offloaded_layers": list(self._offloaded),
+            "capacity_tokens": self._capacity,
+            "tokens": max(self._lengths),
+            "device_bytes": dev,
+            "host_bytes": self._pool.nbytes if self._pool is not None else 0,
+            "host_pages": host_pages,
+            "all_resident_device_bytes": all_res,
+            "device_bytes_saved": all_res - dev,
+        }
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise KVConfigError(
+                f"layer={layer!r} is not accepted: expected an int in [0, num_layers={self.num_layers})."
+            )
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.config.check_update(k, v)
+        if self._shape is None:
+            return
+        b, h, d = self._shape
+        same = (k.shape[0], k.shape[1], k.shape[3]) == (b, h, d) and k.dtype == self._dtype
+        same = same and k.device == self._device
+        if same:
+            return
+        if any(self._lengths):
+            raise KVConfigError(
+                f"k {tuple(k.shape)} {k.dtype} on {k.device} does not match the cached sequence "
+                f"[{b}, {h}, *, {d}] {self._dtype} on {self._device}: call reset() before a new batch shape."
+            )
+        self._note(f"shapes changed after reset to {tuple(k.shape)} {k.dtype}: reallocating")
+        self.stats.reallocations += 1
+        self._free_all()
+
+    # ------------------------------------------------------------------ allocation
+
+    def _note(self, msg: str, level: int = logging.INFO) -> None:
+        logger.log(level, msg)
+        self.stats.events.append(msg)
+
+    def _free_all(self) -> None:
+        """Drop every buffer (before the first update, or to re-materialize for new shapes)."""
+        if getattr(self, "_pool", None) is not None:
+            self._sync_copies()
+            self._pool.release()
+        self._shape = None
+        self._pool: HostPagePool | None = None
+        self._res_buf: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tails: dict[int, torch.Tensor] = {}  # [2, B, H, P, D] per offloaded layer
+        self._host: dict[int, list[PageChunk]] = {}
+        self._slots: list[_Slot] = []
+        self._pending: dict[int, _Slot] = {}
+        self._current: _Slot | None = None
+        self._flush_done: dict[int, Any] = {}  # layer -> event: its last D2H page copy finished
+        self._d2h_free: Any = None  # event: the D2H staging chunk may be overwritten
+        self._h2d_stage: PageChunk | None = None
+        self._d2h_stage: PageChunk | None = None
+        self._offloaded_set: frozenset[int] = frozenset()
+        self._h2d = self._d2h = None
+
+    def _bytes(self) -> tuple[int, int, int]:
+        """(page bytes in storage format, device bytes per token per layer K+V, element size)."""
+        b, h, d = self._shape
+        elt = self._dtype.itemsize
+        page_store = 2 * b * h * self.config.page_tokens * d * (1 if self._fp8 else elt)
+        if self._fp8:
+            page_store += 2 * b * h * self.config.page_tokens * 4
+        return page_store, 2 * b * h * d * elt, elt
+
+    def _materialize(self, k: torch.Tensor) -> None:
+        c = self.config
+        self._shape = (k.shape[0], k.shape[1], k.shape[3])
+        self._dtype, self._device = k.dtype, k.device
+        self._fp8 = c.storage == "fp8"
+        self._cuda = self._device.type == "cuda"
+        p = c.page_tokens
+        self._capacity = -(-c.max_tokens // p) * p  # whole pages
+        page_store, per_token, _ = self._bytes()
+        self._chunk_pages = max(1, min(self._capacity // p, _CHUNK_BYTES // max(page_store, 1)))
+        self._place(per_token)
+        self._offloaded_set = frozenset(self._offloaded)
+        b, h, d = self._shape
+        for layer in self._resident:
+            self._res_buf[layer] = self._empty_kv(self._capacity)
+        if not self._offloaded:
+            return
+        if self._cuda:
+            # why: page gathers overlap the layers computing before them
+            self._h2d = torch.cuda.Stream(self._device)
+            # why: filled pages drain to the host off the compute path
+            self._d2h = torch.cuda.Stream(self._device)
+        self._pool = HostPagePool(pin=self._cuda)
+        for ev in self._pool.events:
+            self.stats.events.append(ev)
+        per_chunk = HostPagePool.chunk_bytes(self._chunk_pages, b, h, p, d, self._dtype, self._fp8)
+        chunks = -(-self._capacity // p // self._chunk_pages)
+        self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
+        for layer in self._offloaded:
+            self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            self._host[layer] = []
+            self._ensure_host_pages(layer, self._capacity // p)
+        n_slots = min(c.prefetch_slots, len(self._offloaded))
+        self._slots = [_Slot(*self._empty_kv(self._capacity)) for _ in range(n_slots)]
+        args = (self._chunk_pages, b, h, p, d, self._dtype, self._fp8, self._device)
+        self._h2d_stage, self._d2h_stage = device_chunk(*args), device_chunk(*args)
+
+    def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, d = self._shape
+        mk = lambda: torch.empty(b, h, cap, d, dtype=self._dtype, device=self._device)  # noqa: E731
+        return mk(), mk()
+
+    def _place(self, per_token: int) -> None:
+        """Decide resident vs offloaded layers (records the decision)."""
+        c = self.config
+        budget = c.vram_budget
+        if c.resident_layers == "auto" and budget is None and self._cuda:
+            free, _ = torch.cuda.mem_get_info(self._device)
+            budget = int(free * c.vram_fraction)
+        sizes = LayerBytes(
+            per_token * self._capacity, per_token * c.page_tokens, 2 * self._chunk_pages * self._bytes()[0]
+        )
+        self._offloaded, note = place_layers(c, budget, sizes)
+        self._resident = sorted(set(range(c.num_layers)) - set(self._offloaded))
+        self._note(f"{note} (capacity {self._capacity} tokens, {sizes.layer / 2**20:.1f} MiB per layer)")
+
+    def _ensure_host_pages(self, layer: int, pages: int) -> None:
+        b, h, d = self._shape
+        chunks = self._host[layer]
+        while len(chunks) * self._chunk_pages < pages:
+            chunks.append(
+                self._pool.chunk(self._chunk_pages, b, h, self.config.page_tokens, d, self._dtype, self._fp8)
+            )
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate device buffers for a sequence longer than the capacity (logged)."""
+        p = self.config.page_tokens
+        new_cap = -(-max(needed, 2 * self._capacity) // p) * p
+        self._note(
+            f"sequence of {needed} tokens exceeds the capacity of {self._capacity}: reallocating the device K/V "
+            f"to {new_cap} tokens (pass a larger max_tokens to avoid this)",
+            logging.WARNING,
+        )
+        self.stats.reallocations += 1
+        for layer, (k, v) in self._res_buf.items():
+            nk, nv = self._empty_kv(new_cap)
+            n = self._lengths[layer]
+            nk[:, :, :n].copy_(k[:, :, :n])  # [B, H, n, D]
+            nv[:, :, :n].copy_(v[:, :, :n])
+            self._res_buf[layer] = (nk, nv)
+        if self._slots:
+            self._sync_copies()  # why: queued gathers still write into the old slots
+            self._slots = [_Slot(*self._empty_kv(new_cap)) for _ in self._slots]
+            self._pending.clear()
+            self._current = None
+        self._capacity = new_cap
+
+    # ------------------------------------------------------------------ streams and events
+
+    def _compute(self) -> Any:
+        return torch.cuda.current_stream(self._device) if self._cuda else None
+
+    def _sync_copies(self) -> None:
+        """Block until every queued page copy finished (before buffers are reused or dropped)."""
+        # why: in-flight copies still read or write the pages and slots
+        synchronize(getattr(self, "_h2d", None), getattr(self, "_d2h", None))
+
+    def _release_current(self) -> None:
+        """Hand back the slot returned by the previous update: its layer's attention is queued by now."""
+        if self._current is not None:
+            # why: a refill of this slot must wait until the compute stream finished reading it
+            self._current.free_after = record(self._compute())
+            self._current = None
+
+    # ------------------------------------------------------------------ resident layers
+
+    def _update_resident(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kb, vb = self._res_buf[layer]  # [B, H, cap, D]
+        s, e = self._lengths[layer], self._lengths[layer] + k.shape[2]
+        kb[:, :, s:e].copy_(k)
+        vb[:, :, s:e].copy_(v)
+        return kb[:, :, :e], vb[:, :, :e]
+
+    # ------------------------------------------------------------------ offloaded layers
+
+    def _update_offloaded(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.config.page_tokens
+        s, e = self._lengths[layer], self._lengths[layer] + k.shape[2]
+        full_old, full_new = s // p, e // p
+        slot = self._pending.pop(layer, None)
+        if slot is not None and slot.prefetched_pages:
+            self.stats.prefetched += 1
+        if slot is None:
+            slot = self._pick_slot(layer)
+        if slot.pages < full_old:
+            # nothing (or not enough) was prefetched: copy the missing pages in now
+            self.stats.gathered_on_demand += 1
+            self._gather(layer, slot, full_old)
+        self._current = slot
+        compute = self._compute()
+        wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
+        slot.ready = None
+        tail = self._tails[layer]  # [2, B, H, P, D]
+        t_old = s - full_old * p
+        if t_old:
+            slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
+            slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
+        slot.k[:, :, s:e].copy_(k)
+        slot.v[:, :, s:e].copy_(v)
+        if full_new > full_old:
+            self._flush(layer, slot, full_old, full_new)
+        t_new = e - full_new * p
+        if full_new == full_old:
+            tail[0, :, :, t_old:t_new].copy_(k)
+            tail[1, :, :, t_old:t_new].copy_(v)
+        elif t_new:
+            tail[0, :, :, :t_new].copy_(slot.k[:, :, full_new * p : e])
+            tail[1, :, :, :t_new].copy_(slot.v[:, :, full_new * p : e])
+        slot.pages = full_new
+        return slot.k[:, :, :e], slot.v[:, :, :e]
+
+    def _pick_slot(self, layer: int) -> _Slot:
+        """A slot for ``layer``: one not promised to a pending prefetch, preferring one that already holds it."""
+        busy = {id(s) for s in self._pending.values()}
+        if self._current is not None:
+            busy.add(id(self._current))
+        free = [s for s in self._slots if id(s) not in busy]
+        if not free:
+            # updates out of stack order: take back the oldest prefetch (its slot keeps its owner's pages)
+            oldest = next(iter(self._pending))
+            free = [self._pending.pop(oldest)]
+        slot = next((s for s in free if s.owner == layer), None)
+        if slot is None:
+            # least useful first: a slot no one owns, else the one holding the fewest pages
+            slot = min(free, key=lambda s: (s.owner is not None, s.pages))
+            slot.owner, slot.pages = layer, 0
+        else:
+            self.stats.pages_reused += slot.pages
+        slot.prefetched_pages = 0
+        return slot
+
+    def _gather(self, layer: int, slot: _Slot, pages: int) -> int:
+        """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""
+        first = slot.pages
+        if pages <= first:
+            return 0
+        # why: on the H2D stream, so the copy runs while the compute stream works on earlier layers
+        with record_function("tidal::kv_gather"), on(self._h2d):
+            wait(self._h2d, slot.free_after)  # why: the compute stream may still read the previous owner
+            wait(self._h2d, self._flush_done.get(layer))  # why: these host pages may still be in flight D2H
+            b, h, d = self._shape
+            p, cp = self.config.page_tokens, self._chunk_pages
+            stage = self._h2d_stage
+            page = first
+            while page < pages:
+                chunk, i0 = divmod(page, cp)
+                m = min(cp - i0, pages - page)
+                src = self._host[layer][chunk]
+                stage.data[:m].copy_(src.data[i0 : i0 + m], non_blocking=True)
+                if self._fp8:
+                    stage.scale[:m].copy_(src.scale[i0 : i0 + m], non_blocking=True)
+                    kv = dequantize_fp8(stage.data[:m], stage.scale[:m], self._dtype)  # [m, 2, B, H, P, D]
+                else:
+                    kv = stage.data[:m]  # [m, 2, B, H, P, D]
+                self.stats.h2d_bytes += m * (src.nbytes // cp)
+                # the slot range as [B, H, m, P, D]; the pages permute into it
+                slot.k[:, :, page * p : (page + m) * p].view(b, h, m, p, d).copy_(
+                    kv[:, 0].permute(1, 2, 0, 3, 4)
+                )
+                slot.v[:, :, page * p : (page + m) * p].view(b, h, m, p, d).copy_(
+                    kv[:, 1].permute(1, 2, 0, 3, 4)
+                )
+                page += m
+            slot.ready = record(self._h2d)  # why: the compute stream waits on this before reading the slot
+        slot.pages = pages
+        self.stats.pages_gathered += pages - first
+        return pages - first
+
+    def _flush(self, layer: int, slot: _Slot, first: int, last: int) -> None:
+        """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""
+        with record_function("tidal::kv_flush"):
+            self._ensure_host_pages(layer, last)
+            b, h, d = self._shape
+            p, cp = self.config.page_tokens, self._chunk_pages
+            compute, stage = self._compute(), self._d2h_stage
+            page = first
+            while page < last:
+                chunk, i0 = divmod(page, cp)
+                m = min(cp - i0, last - page)
+                wait(compute, self._d2h_free)  # why: the previous D2H copy may still read the staging chunk
+                for j, src in enumerate((slot.k, slot.v)):
+                    pages_kv = src[:, :, page * p : (page + m) * p].view(b, h, m, p, d).permute(2, 0, 1, 3, 4)
+                    if self._fp8:
+                        q, sc = quantize_fp8(pages_kv)  # [m, B, H, P, D], [m, B, H, P, 1]
+                        stage.data[:m, j].copy_(q)
+                        stage.scale[:m, j].copy_(sc)
+                        # the slot now holds what a later gather returns, whichever slot serves the layer next
+                        pages_kv.copy_(dequantize_fp8(q, sc, self._dtype))
+                    else:
+                        stage.data[:m, j].copy_(pages_kv)  # [m, B, H, P, D]
+                # why: the D2H copy must not read the staging chunk before it is filled
+                filled = record(compute)
+                dst = self._host[layer][chunk]
+                with on(self._d2h):  # why: the page drains while the compute stream carries on
+                    wait(self._d2h, filled)  # why: see `filled`
+                    dst.data[i0 : i0 + m].copy_(stage.data[:m], non_blocking=True)
+                    if self._fp8:
+                        dst.scale[i0 : i0 + m].copy_(stage.scale[:m], non_blocking=True)
+                    # why: the staging chunk is reusable, and these host pages readable, once this copy finished
+                    self._d2h_free = record(self._d2h)
+                self._flush_done[layer] = self._d2h_free
+                self.stats.d2h_bytes += m * (dst.nbytes // cp)
+                self.stats.pages_flushed += m
+                page += m
+
+    def _prefetch_ahead(self, layer: int) -> None:
+        """Queue the gathers of the next offloaded layers after ``layer`` (cyclically: the next step's first)."""
+        if not self._offloaded:
+            return
+        live = 1 if layer in self._offloaded_set else 0  # the slot this update returned stays in use
+        depth = len(self._slots) - live
+        n_off = len(self._offloaded)
+        # the first offloaded layer after `layer`, in cyclic order
+        start = next((i for i, o in enumerate(self._offloaded) if o > layer), 0)
+        with record_function("tidal::kv_prefetch"):
+            for i in range(min(depth, n_off - live)):
+                nxt = self._offloaded[(start + i) % n_off]
+                if nxt == layer or nxt in self._pending:
+                    continue
+                slot = self._pick_slot(nxt)
+                slot.prefetched_pages = self._gather(nxt, slot, self._lengths[nxt] // self.config.page_tokens)
+                self._pending[nxt] = slot

@@ -1,0 +1,196 @@
+"""Host page blocks (from the tidal-arena pinned arena) and the FP8 page format.
+
+A *chunk* is ``chunk_pages`` pages of one offloaded layer laid out page-major,
+``[chunk_pages, 2 (K/V), B, H, page_tokens, D]``, so that any run of full pages inside a chunk moves
+host<->device as one contiguous copy; the device side permutes it into ``[B, H, T, D]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tidal_arena import ArenaConfig, ArenaError, Block, PinnedArena
+from tidal_kv.errors import KVCacheError
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_SCALE_FLOOR = 1e-12  # keeps an all-zero (token, head) row from dividing by zero
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize K/V to e4m3 with one fp32 scale per (token, head) row (absmax over ``head_dim``).
+
+    Args:
+        x: ``[..., D]`` floating tensor.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``[..., D]`` float8_e4m3fn and ``scale`` ``[..., 1]`` float32, with
+        ``q.float() * scale ≈ x``.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_SCALE_FLOOR)  # [..., 1]
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [..., D]
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``[..., D]`` e4m3 and ``[..., 1]`` fp32 scales to ``dtype``."""
+    return (q.float() * scale).to(dtype)
+
+
+@dataclass
+class PageChunk:
+    """One host (or device-staging) chunk: page data plus, for FP8, per-row scales."""
+
+    data: torch.Tensor
+    """``[C, 2, B, H, P, D]`` in the K/V dtype ("native") or float8_e4m3fn ("fp8")."""
+    scale: torch.Tensor | None
+    """``[C, 2, B, H, P, 1]`` float32 for "fp8", else None."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this chunk."""
+        n = self.data.numel() * self.data.element_size()
+        if self.scale is not None:
+            n += self.scale.numel() * self.scale.element_size()
+        return n
+
+
+class HostPagePool:
+    """Allocates host chunks for offloaded layers from a tidal-arena :class:`~tidal_arena.PinnedArena`.
+
+    The arena is page-locked when the cache's device is CUDA (pageable on the CPU, where nothing is copied
+    over PCIe). Without CuPy the arena degrades to pageable memory; that is logged once and recorded in
+    :attr:`events`, since copies from pageable memory cannot overlap compute.
+
+    Args:
+        pin: Page-lock the memory (True when the cache's device is CUDA).
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.events: list[str] = []
+        self._arena = PinnedArena(ArenaConfig(backend="auto" if pin else "pageable"))
+        self.pinned = self._arena.pinned
+        self._blocks: list[Block] = []
+        self._bytes = 0
+        if pin and not self.pinned:
+            msg = (
+                f"host KV pages are pageable ({self._arena.degraded_reason}): page gathers cannot overlap "
+                "compute; install CuPy for page-locked memory"
+            )
+            logger.warning(msg)
+            self.events.append(msg)
+
+    @staticmethod
+    def chunk_bytes(
+        chunk_pages: int,
+        batch: int,
+        heads: int,
+        page_tokens: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        fp8: bool,
+    ) -> int:
+        """Host bytes of one chunk (data + FP8 scales), each part rounded up to the arena alignment."""
+        numel = chunk_pages * 2 * batch * heads * page_tokens * head_dim
+        data = _round_up(numel * (1 if fp8 else dtype.itemsize))
+        return data + (_round_up(numel // head_dim * 4) if fp8 else 0)
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` of host memory in one slab now (page-locking is slow: never per step).
+
+        Raises:
+            KVCacheError: the arena cannot hold it (the message carries the arena's numbers and the fixes).
+        """
+        if nbytes <= 0:
+            return
+        try:
+            self._arena.reserve(nbytes)
+        except ArenaError as e:
+            raise KVCacheError(
+                f"the offloaded layers' host pages need {nbytes / 2**30:.2f} GiB and the host arena refused: {e} "
+                'Fix: lower max_tokens or the batch, keep more resident_layers, or pass storage="fp8".'
+            ) from e
+
+    def _raw(self, nbytes: int, tag: str) -> torch.Tensor:
+        """A uint8 ``[nbytes]`` host tensor from the arena."""
+        block = self._arena.alloc(nbytes, tag=tag)
+        self._blocks.append(block)
+        return block.tensor(torch.uint8, (nbytes,))
+
+    def chunk(
+        self,
+        chunk_pages: int,
+        batch: int,
+        heads: int,
+        page_tokens: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        fp8: bool,
+    ) -> PageChunk:
+        """Allocate one host chunk of ``chunk_pages`` pages (K and V).
+
+        Args:
+            chunk_pages: Pages in the chunk.
+            batch: Sequences per batch.
+            heads: K/V heads.
+            page_tokens: Tokens per page.
+            head_dim: Head dimension.
+            dtype: K/V dtype (the page dtype for "native" storage).
+            fp8: Store e4m3 + fp32 scales instead of ``dtype``.
+
+        Returns:
+            The chunk; its memory lives until :meth:`release`.
+        """
+        shape = (chunk_pages, 2, batch, heads, page_tokens, head_dim)
+        store = FP8_DTYPE if fp8 else dtype
+        numel = chunk_pages * 2 * batch * heads * page_tokens * head_dim
+        data = self._raw(numel * store.itemsize, "kv-pages").view(store).view(shape)
+        scale = None
+        if fp8:
+            scale = self._raw(numel // head_dim * 4, "kv-scales").view(torch.float32).view(*shape[:-1], 1)
+        c = PageChunk(data, scale)
+        self._bytes += c.nbytes
+        return c
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes handed out so far."""
+        return self._bytes
+
+    def release(self) -> None:
+        """Return every block and close the arena (callers must have finished all copies touching them)."""
+        for block in self._blocks:
+            block.free()
+        self._blocks.clear()
+        self._bytes = 0
+        self._arena.close()
+
+
+_ALIGN = ArenaConfig().alignment
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def device_chunk(
+    chunk_pages: int,
+    batch: int,
+    heads: int,
+    page_tokens: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    device: torch.device,
+) -> PageChunk:
+    """A device staging chunk with the same layout as a host chunk (contiguous copies both ways)."""
+    shape = (chunk_pages, 2, batch, heads, page_tokens, head_dim)
+    data = torch.empty(shape, dtype=FP8_DTYPE if fp8 else dtype, device=device)
+    scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device) if fp8 else None
+    return PageChunk(data, scale)

@@ -1,0 +1,239 @@
+"""PagedKVCache against a plain concatenation reference: paging must be bit-exact (native storage)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
+from tidal_kv import paged as paged_mod
+from tidal_testing import assert_sqnr, devices
+
+
+def _drive(
+    cache: PagedKVCache,
+    steps: list[int],
+    *,
+    batch=2,
+    heads=3,
+    dim=8,
+    device="cpu",
+    dtype=torch.float32,
+    seed=0,
+):
+    """Feed ``steps`` (new tokens per step) through every layer in stack order; compare with torch.cat."""
+    g = torch.Generator().manual_seed(seed)
+    ref_k = [None] * cache.num_layers
+    ref_v = [None] * cache.num_layers
+    for n in steps:
+        for layer in range(cache.num_layers):
+            k = torch.randn(batch, heads, n, dim, generator=g).to(device, dtype)  # [B, H, n, D]
+            v = torch.randn(batch, heads, n, dim, generator=g).to(device, dtype)
+            ref_k[layer] = k if ref_k[layer] is None else torch.cat([ref_k[layer], k], dim=2)
+            ref_v[layer] = v if ref_v[layer] is None else torch.cat([ref_v[layer], v], dim=2)
+            keys, values = cache.update(layer, k, v)
+            # the returned views are only valid until the next update: compare now
+            assert keys.shape == ref_k[layer].shape
+            assert torch.equal(keys, ref_k[layer]), (layer, n)
+            assert torch.equal(values, ref_v[layer]), (layer, n)
+            assert cache.seq_length(layer) == ref_k[layer].shape[2]
+    return ref_k, ref_v
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("slots", [2, 3])
+def test_paging_bit_exact_across_page_boundaries(device, slots):
+    cache = PagedKVCache(8, 40, resident_layers=3, page_tokens=8, prefetch_slots=slots)
+    # prefill 13 (one full page + 5), decode across several boundaries, a chunk landing exactly on one
+    _drive(cache, [13, 1, 1, 1, 8, 3, 1, 1, 1, 1, 1], device=device)
+    assert cache.offloaded_layers == [0, 2, 4, 5, 7]
+    assert cache.resident_layers == [1, 3, 6]
+    s = cache.stats
+    assert s.pages_flushed == 5 * (32 // 8)
+    assert s.d2h_bytes == s.pages_flushed * 2 * 2 * 3 * 8 * 8 * 4
+    # every decode step after the prefill found its pages already queued
+    assert s.prefetched > 0 and s.gathered_on_demand == 0
+    assert s.pages_gathered > 0 and s.h2d_bytes > 0
+
+
+def test_auto_spreads_offloaded_layers_and_respects_budget(monkeypatch):
+    per_layer = 2 * 1 * 2 * 32 * 4 * 4  # K+V, B=1, H=2, cap=32, D=4, fp32
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", per_layer // 4)  # one-page staging chunks
+    cache = PagedKVCache(8, 32, resident_layers="auto", page_tokens=8, vram_budget=6 * per_layer)
+    _drive(cache, [9, 1, 1], batch=1, heads=2, dim=4)
+    mem = cache.memory()
+    assert mem["device_bytes"] <= 6 * per_layer
+    assert 4 <= len(cache.offloaded_layers) < 8
+    off = cache.offloaded_layers
+    assert off != list(range(8 - len(off), 8)) or len(off) == 8  # spread, not a block at the end
+    assert mem["device_bytes_saved"] > 0
+    assert mem["host_pages"] == len(off) * (11 // 8)
+
+
+def test_auto_on_cpu_without_budget_keeps_all_resident():
+    cache = PagedKVCache(4, 16, page_tokens=4)
+    _drive(cache, [5, 1])
+    assert cache.offloaded_layers == []
+    assert cache.stats.d2h_bytes == 0
+
+
+def test_budget_too_small_raises_with_numbers():
+    cache = PagedKVCache(4, 64, vram_budget=100, page_tokens=8)
+    with pytest.raises(KVCacheError, match="vram_budget=100"):
+        cache.update(0, torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+
+
+def test_growth_past_max_tokens_is_logged_and_exact(caplog):
+    cache = PagedKVCache(4, 16, resident_layers=[0, 3], page_tokens=4)
+    with caplog.at_level(logging.WARNING, logger="tidal_kv.paged"):
+        _drive(cache, [10, 5, 1, 1, 12, 1])
+    assert cache.capacity >= 30
+    assert cache.stats.reallocations >= 1
+    assert any("exceeds the capacity" in r.message for r in caplog.records)
+
+
+def test_reset_then_reuse_and_new_batch_shape():
+    cache = PagedKVCache(4, 16, resident_layers=2, page_tokens=4)
+    _drive(cache, [9, 1, 1], seed=1)
+    cache.reset()
+    assert all(cache.seq_length(i) == 0 for i in range(4))
+    _drive(cache, [6, 1, 1, 1], seed=2)  # same shapes: buffers reused
+    assert cache.stats.reallocations == 0
+    cache.reset()
+    _drive(cache, [5, 1], batch=3, seed=3)  # new batch size after reset: reallocated
+    assert cache.stats.reallocations == 1
+
+
+def test_multiple_chunks_per_layer(monkeypatch):
+    # small chunks force several host chunks and several staging copies per gather and flush
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * 2 * 2 * 4 * 4 * 4 * 2)  # two pages
+    cache = PagedKVCache(3, 40, resident_layers=[1], page_tokens=4)
+    _drive(cache, [17, 1, 1, 1, 9, 1])
+    assert cache.stats.pages_flushed == 2 * (30 // 4)
+
+
+def test_out_of_order_updates_still_exact():
+    # not the stack order a model uses: the cache takes back prefetched slots and stays exact
+    cache = PagedKVCache(4, 32, resident_layers=0, page_tokens=4)
+    g = torch.Generator().manual_seed(0)
+    ref = {}
+    for layer in [0, 2, 1, 3, 3, 0, 1, 2, 2, 2, 0]:
+        k = torch.randn(1, 2, 3, 4, generator=g)
+        ref[layer] = k if layer not in ref else torch.cat([ref[layer], k], dim=2)
+        keys, values = cache.update(layer, k, k + 1)
+        assert torch.equal(keys, ref[layer]) and torch.equal(values, ref[layer] + 1)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp8_storage_is_close(device):
+    cache = PagedKVCache(2, 32, resident_layers=0, page_tokens=4, storage="fp8")
+    g = torch.Generator().manual_seed(0)
+    k0 = torch.randn(1, 2, 18, 16, generator=g).to(device, torch.bfloat16)
+    cache.update(0, k0, -k0)
+    cache.update(1, k0, k0)
+    k1 = torch.randn(1, 2, 1, 16, generator=g).to(device, torch.bfloat16)
+    keys, values = cache.update(0, k1, -k1)
+    ref = torch.cat([k0, k1], dim=2)
+    assert torch.equal(keys[:, :, 16:], ref[:, :, 16:])  # the device tail is exact
+    assert not torch.equal(keys[:, :, :16], ref[:, :, :16])  # full pages went through e4m3
+    # the same values whether the layer's slot was kept or refilled from the host
+    again = PagedKVCache(3, 32, resident_layers=0, page_tokens=4, storage="fp8", prefetch_slots=2)
+    for layer in (0, 1, 2):
+        again.update(layer, k0, -k0)
+    k_refilled, _ = again.update(0, k1, -k1)  # layer 0's slot went to layer 2: refilled from the host
+    assert again.stats.pages_gathered > 0
+    assert torch.equal(k_refilled, keys)
+    assert_sqnr(keys.float().cpu(), ref.float().cpu(), 25.0)
+    assert_sqnr(values.float().cpu(), -ref.float().cpu(), 25.0)
+    native = 2 * 1 * 2 * 4 * 16 * 2
+    assert cache.stats.d2h_bytes == 2 * 4 * (native // 2 + 2 * 1 * 2 * 4 * 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_layers": 0}, "num_layers=0"),
+        ({"max_tokens": -1}, "max_tokens=-1"),
+        ({"page_tokens": 0}, "page_tokens=0"),
+        ({"storage": "int4"}, "storage='int4'"),
+        ({"resident_layers": "most"}, "resident_layers='most'"),
+        ({"resident_layers": 9}, "resident_layers=9"),
+        ({"resident_layers": [0, 0]}, "resident_layers=\\[0, 0\\]"),
+        ({"resident_layers": [7]}, "resident_layers=\\[7\\]"),
+        ({"vram_fraction": 1.5}, "vram_fraction=1.5"),
+        ({"vram_budget": 0}, "vram_budget=0"),
+        ({"dtype": torch.int8}, r"dtype=torch\.int8"),
+        ({"dtype": torch.float8_e4m3fn}, 'storage="fp8"'),
+        ({"prefetch_slots": 4}, "prefetch_slots=4"),
+        ({"device": "gpu0"}, "device='gpu0'"),
+        ({"num_kv_heads": 2.5}, "num_kv_heads=2.5"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    args = {"num_layers": 4, "max_tokens": 16, **kwargs}
+    with pytest.raises(KVConfigError, match=match):
+        PagedKVCache(args.pop("num_layers"), args.pop("max_tokens"), **args)
+
+
+def test_bad_updates():
+    cache = PagedKVCache(2, 16, num_kv_heads=2, dtype=torch.float32)
+    k = torch.randn(1, 2, 3, 4)
+    with pytest.raises(KVConfigError, match="layer=2"):
+        cache.update(2, k, k)
+    with pytest.raises(KVConfigError, match="num_kv_heads=3"):
+        cache.update(0, torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4))
+    with pytest.raises(KVConfigError, match=r"dtype=torch\.float32"):
+        cache.update(0, k.double(), k.double())
+    with pytest.raises(KVConfigError, match="does not match k"):
+        cache.update(0, k, k[:, :, :2])
+    with pytest.raises(KVConfigError, match="expected a tensor"):
+        cache.update(0, k[0], k[0])
+    cache.update(0, k, k)
+    with pytest.raises(KVConfigError, match="call reset"):
+        cache.update(0, torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+
+
+def test_gather_returns_copies_of_every_layer():
+    cache = PagedKVCache(4, 16, resident_layers=2, page_tokens=4)
+    ref_k, ref_v = _drive(cache, [9, 1, 1])
+    for layer in range(4):
+        k, v = cache.gather(layer)
+        assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
+
+
+@pytest.mark.gpu
+def test_cuda_host_pages_are_pinned_and_gathers_run_on_a_side_stream():
+    cache = PagedKVCache(6, 64, resident_layers=2, page_tokens=8, device="cuda")
+    _drive(cache, [20, 1, 1, 1, 1, 1], device="cuda")
+    chunk = cache._host[cache.offloaded_layers[0]][0]
+    assert chunk.data.is_pinned(), cache.stats.events
+    assert cache._h2d is not None and cache._h2d != torch.cuda.current_stream()
+    assert cache.stats.prefetched == 5 * len(
+        cache.offloaded_layers
+    )  # every decode step, every offloaded layer
+    assert cache.stats.gathered_on_demand == 0
+
+
+def test_memory_report_accounts_for_every_buffer():
+    cache = PagedKVCache(6, 32, resident_layers=2, page_tokens=8)
+    _drive(cache, [17, 1], batch=1, heads=2, dim=4)
+    mem = cache.memory()
+    per_layer = 2 * 1 * 2 * 32 * 4 * 4  # K+V at capacity 32, fp32
+    tails = 4 * 2 * 1 * 2 * 8 * 4 * 4
+    staging = 2 * 4 * 2 * 1 * 2 * 8 * 4 * 4  # two chunks of the 4 pages of the capacity
+    assert mem["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + staging
+    assert mem["host_bytes"] == 4 * per_layer
+    assert mem["host_pages"] == 4 * 2
+    assert mem["all_resident_device_bytes"] == 6 * per_layer
+    assert mem["tokens"] == 18
+
+
+def test_device_option_must_match_updates():
+    cache = PagedKVCache(2, 16, device="cpu")
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(0, k, k)  # "cpu" matches tensors on cpu
+    if torch.cuda.is_available():
+        with pytest.raises(KVConfigError, match="device='cpu'"):
+            cache.update(1, k.cuda(), k.cuda())

@@ -17,13 +17,31 @@ import tomllib
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _string_items(node: ast.expr) -> set[str] | None:
+    """Strings of a list/tuple literal, or of ``a + b`` of such literals; None for anything computed."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _string_items(node.left), _string_items(node.right)
+        return None if left is None or right is None else left | right
+    if isinstance(node, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) for e in node.elts):
+        return {e.value for e in node.elts}  # type: ignore[attr-defined]
+    return None
+
+
 def _public_names(pkg_dir: Path) -> set[str] | None:
-    """The sibling's ``__all__`` read statically from its ``__init__.py`` (None if it has none)."""
+    """The sibling's ``__all__`` read statically from its ``__init__.py`` (None if it is not a literal)."""
     init = pkg_dir / "__init__.py"
+    names: set[str] | None = None
     for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
-    return None
+            names = _string_items(node.value)
+        elif (
+            isinstance(node, ast.AugAssign)
+            and getattr(node.target, "id", None) == "__all__"
+            and names is not None
+        ):
+            extra = _string_items(node.value)
+            names = None if extra is None else names | extra
+    return names
 
 
 def main() -> int:

@@ -43,3 +43,9 @@ def test_devices_marks_cuda_as_gpu():
     params = devices()
     assert [p.values[0] for p in params] == ["cpu", "cuda"]
     assert [m.name for m in params[1].marks] == ["gpu"]
+
+
+def test_bitwise_equal_on_scalars():
+    assert_bitwise_equal(torch.tensor(1.5), torch.tensor(1.5))
+    with pytest.raises(AssertionError, match="differ in"):
+        assert_bitwise_equal(torch.tensor(1.5), torch.tensor(2.5))

@@ -45,8 +45,10 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> No
     """Assert two tensors have the same dtype, shape and bytes (NaNs with equal bits compare equal)."""
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    ab = a.detach().cpu().contiguous().view(torch.uint8)
-    bb = b.detach().cpu().contiguous().view(torch.uint8)
+    ab = (
+        a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    )  # reshape: 0-dim tensors cannot be viewed
+    bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     if not torch.equal(ab, bb):
         diff = int((ab != bb).sum())
         raise AssertionError(f"{what or 'tensors'} differ in {diff} of {ab.numel()} bytes")

@@ -91,9 +91,14 @@ def tests_hf(session: nox.Session, transformers: str) -> None:
 
 @nox.session
 def tests_all(session: nox.Session) -> None:
-    """Every package installed together: all package tests and tests-integration/, CPU-only."""
-    _install(session, list(PACKAGES), PACKAGES["tidal"]["extra"] + ["safetensors", "matplotlib", "tqdm"])
-    _pytest(session, "packages", "tests-integration")
+    """Every package installed together: all package tests, tests-integration/ and the harness tests."""
+    # bitsandbytes: the NF4 byte-identity test runs on its CPU backend wherever it is installed
+    _install(
+        session,
+        list(PACKAGES),
+        [*PACKAGES["tidal"]["extra"], "safetensors", "matplotlib", "tqdm", "bitsandbytes==0.50.2"],
+    )
+    _pytest(session, "packages", "tests-integration", "benchmarks/tests")
 
 
 @nox.session(venv_backend="none")

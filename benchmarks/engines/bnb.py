@@ -1,0 +1,86 @@
+"""bitsandbytes NF4 QLoRA + PEFT: block linears stored as NF4 on the device, bf16 compute, LoRA on top.
+
+Each block is filled on the device in bf16 and its linears are replaced by ``bnb.nn.Linear4bit``
+(NF4, double-quantized absmax, as QLoRA does) before the next block is filled, so the bf16 model never
+exists on the device at once. Embeddings, norms and the head stay bf16, as in a QLoRA load. With
+``checkpointing`` the blocks recompute in backward (non-reentrant), the usual QLoRA memory setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engines import RunContext
+from engines.common import NotApplicable, add_lora, build_meta_model, materialize
+
+
+def version() -> str:
+    """bitsandbytes and peft versions."""
+    import bitsandbytes
+    import peft
+
+    return f"bitsandbytes {bitsandbytes.__version__}, peft {peft.__version__}"
+
+
+def quantize_block_(block: nn.Module, device: torch.device) -> int:
+    """Replace every ``nn.Linear`` inside ``block`` by an NF4 ``Linear4bit`` (quantized on ``device``)."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(block.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=q
+            ).to(device)
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q)
+            count += 1
+    return count
+
+
+def setup(ctx: RunContext, checkpointing: bool) -> Callable[[], float]:
+    """QLoRA: NF4 base on the device, PEFT LoRA r=16 on all projections, torch AdamW on the adapters."""
+    import bitsandbytes  # noqa: F401  (a missing package is a "not installed" row)
+
+    sc = ctx.scenario
+    if sc.mode != "lora":
+        raise NotApplicable("QLoRA trains adapters over a frozen 4-bit base only")
+    if ctx.device.type != "cuda":
+        raise NotApplicable("bitsandbytes NF4 training needs CUDA")
+    model = build_meta_model(sc, torch.bfloat16)
+    materialize(
+        model, "device", device=ctx.device, seed=ctx.seed, block_hook=lambda b: quantize_block_(b, ctx.device)
+    )
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = add_lora(model, ctx.seed)
+    model.train()
+    ids = ctx.batch()  # [B, T]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0, fused=True)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step

@@ -1,0 +1,378 @@
+"""What every engine process shares: the VRAM filler, model materialization, data, LoRA, timing.
+
+[Note: fairness] Each engine runs in its own process and goes through the same steps here: the filler
+that leaves exactly the budget free is allocated first, the model is built on the meta device and filled
+with the same seeded values (``normal_(0, 0.02)`` per tensor, seeded by the tensor's name), the batch is
+the same seeded token tensor, and step time is the median of the steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from engines.scenarios import LORA_ALPHA, LORA_RANK, LORA_TARGETS, GiB, Scenario, hf_config
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: The caching allocator and the driver hand out device memory in 2 MiB pages.
+FILLER_GRANULARITY = 2 * MiB
+
+Where = Literal["device", "cpu", "pinned"]
+
+
+class BudgetError(RuntimeError):
+    """The requested budget cannot be simulated on this device."""
+
+
+class NotApplicable(RuntimeError):
+    """The engine has no way to run this scenario (shown as ``n/a`` in the table)."""
+
+
+def filler_bytes(free_bytes: int, budget_bytes: int, granularity: int = FILLER_GRANULARITY) -> int:
+    """Bytes of filler that leave ``budget_bytes`` (rounded up to the page size) free.
+
+    Args:
+        free_bytes: free device memory now (``torch.cuda.mem_get_info()[0]``).
+        budget_bytes: the memory the engine may use.
+        granularity: allocation page size; the filler is a whole number of pages.
+
+    Returns:
+        The filler size: a multiple of ``granularity``, so that between ``budget_bytes`` and
+        ``budget_bytes + granularity`` stay free.
+
+    Raises:
+        BudgetError: when the device has less free memory than the budget.
+    """
+    if budget_bytes <= 0:
+        raise BudgetError(f"--vram-gb: got {budget_bytes / GiB:.2f} GiB; accepted: a positive budget")
+    if budget_bytes > free_bytes:
+        raise BudgetError(
+            f"--vram-gb: {budget_bytes / GiB:.2f} GiB asked but only {free_bytes / GiB:.2f} GiB is free on the "
+            "device; lower the budget or run without one"
+        )
+    return (free_bytes - budget_bytes) // granularity * granularity
+
+
+class Filler:
+    """Device memory held outside torch's caching allocator, so engines see it as another tenant's.
+
+    [Note: filler outside torch] Engines that plan from ``mem_get_info`` minus their own
+    ``memory_reserved`` (TrainStream, tidal) would count a torch-allocated filler as their own and plan
+    for the whole card; a raw ``cudaMalloc`` (through CuPy's runtime, when present) makes the filler look
+    like a smaller card to every engine alike. Without CuPy it falls back to a torch tensor and says so.
+    """
+
+    def __init__(self, budget_bytes: int, device: torch.device) -> None:
+        self.device = device
+        self.ptr: int | None = None
+        self.tensor: torch.Tensor | None = None
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info(device)
+        self.nbytes = filler_bytes(free, budget_bytes)
+        self.how = "cudaMalloc (CuPy runtime)"
+        try:
+            import cupy
+
+            with cupy.cuda.Device(device.index or 0):
+                self.ptr = cupy.cuda.runtime.malloc(self.nbytes) if self.nbytes else None
+        except ImportError:
+            self.how = "torch tensor (no CuPy: counted in torch.cuda.memory_reserved)"
+            log.warning(
+                "CuPy is missing: the VRAM filler is a torch tensor, engines see it as their own memory"
+            )
+            self.tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.free_after = torch.cuda.mem_get_info(device)[0]
+        self.total = total
+
+    def release(self) -> None:
+        """Give the filler's memory back (engine processes just exit; tests release it)."""
+        if self.ptr is not None:
+            import cupy
+
+            cupy.cuda.runtime.free(self.ptr)
+            self.ptr = None
+        self.tensor = None
+
+    def describe(self) -> dict[str, Any]:
+        """The filler's size and the free memory it left, for the result record."""
+        return {
+            "filler_gib": self.nbytes / GiB,
+            "free_after_filler_gib": self.free_after / GiB,
+            "filler": self.how,
+        }
+
+
+class DevicePeak:
+    """Polls ``mem_get_info`` in a thread: the device-level peak of this process, allocator or not.
+
+    Torch's ``max_memory_allocated`` misses memory that engines take outside the caching allocator and the
+    CUDA context; this sees everything the card lost since ``start`` (the filler excluded).
+    """
+
+    def __init__(self, device: torch.device, interval_s: float = 0.005) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.min_free = torch.cuda.mem_get_info(device)[0]
+        self.base_free = self.min_free
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-device-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.min_free = min(self.min_free, torch.cuda.mem_get_info(self.device)[0])
+            time.sleep(self.interval_s)
+
+    def stop(self) -> int:
+        """Stop polling; the peak bytes used since construction."""
+        self._stop.set()
+        self._thread.join()
+        self.min_free = min(self.min_free, torch.cuda.mem_get_info(self.device)[0])
+        return self.base_free - self.min_free
+
+
+def build_meta_model(scenario: Scenario, dtype: torch.dtype) -> nn.Module:
+    """The scenario's transformers model on the meta device (no memory), in ``dtype``."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(scenario))
+    return model.to(dtype)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The block stack of a (possibly PEFT-wrapped) transformers causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+def canonical(name: str) -> str:
+    """A tensor's name without PEFT's wrapping (``base_model.model.`` prefix, ``.base_layer``)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def _seed_of(name: str, seed: int) -> int:
+    """A per-tensor seed: the same tensor gets the same values in every engine process, wrapped or not."""
+    return (zlib.crc32(canonical(name).encode()) ^ (seed * 0x9E3779B1)) & 0x7FFF_FFFF
+
+
+@torch.no_grad()
+def fill_(name: str, p: torch.Tensor, seed: int) -> None:
+    """Fill one tensor: LoRA B zeros (the standard init), norm weights ones, anything else N(0, 0.02)."""
+    if "lora_B" in name:
+        p.zero_()
+    elif p.dim() == 1 and name.endswith("norm.weight"):
+        p.fill_(1.0)
+    else:
+        g = torch.Generator(device=p.device).manual_seed(_seed_of(name, seed))
+        p.normal_(0.0, 0.02, generator=g)
+
+
+def _units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+    """(prefix, module, recurse) in materialization order: each block, then everything else."""
+    layers = decoder_layers(model)
+    layer_ids = {id(b) for b in layers}
+    full = dict(model.named_modules())
+    prefix_of = {id(m): n for n, m in full.items()}
+    for block in layers:
+        yield prefix_of[id(block)], block, True
+    # the rest (embeddings, final norm, head): modules outside the block stack, non-recursively
+    inside: set[int] = set()
+    for b in layers:
+        inside.update(id(m) for m in b.modules())
+    for name, mod in full.items():
+        if id(mod) not in inside and id(mod) not in layer_ids and id(mod) != id(layers):
+            yield name, mod, False
+
+
+def materialize(
+    model: nn.Module,
+    where: Where,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    block_hook: Callable[[nn.Module], None] | None = None,
+    rest_where: Where | None = None,
+) -> nn.Module:
+    """Fill a meta-device model in bounded chunks (one block at a time) and leave it where asked.
+
+    Each block is allocated on ``device``, filled there (fast: a 14B model built on the CPU takes
+    minutes), handed to ``block_hook`` (e.g. to quantize its linears while they are on the device), then
+    moved to ``where``. The device never holds more than one block plus what already stays there, so a
+    model larger than the budget can be built for an engine that streams or offloads it.
+
+    Args:
+        model: a model whose parameters are on the meta device (PEFT-wrapped or not).
+        where: ``"device"`` (stay on ``device``), ``"cpu"`` (pageable host) or ``"pinned"`` (page-locked host).
+        device: where values are generated.
+        seed: base seed; every tensor's values depend only on its name and this seed.
+        block_hook: called on each decoder block after it is filled, before it moves.
+        rest_where: placement of the modules outside the block stack (default: ``where``).
+
+    Returns:
+        ``model``, materialized.
+    """
+    rest_where = rest_where or where
+    # meta parameter id -> (that parameter, its replacement): tied weights stay tied. The meta original
+    # is held so its id can't be reused; a block's map is dropped after the block, so what its hook
+    # replaced (e.g. bf16 weights it quantized) is freed.
+    shared: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for prefix, unit, recurse in _units(model):
+        is_block = recurse
+        target = where if is_block else rest_where
+        done = {} if is_block else shared
+        for pname, p in list(unit.named_parameters(recurse=recurse, remove_duplicate=False)):
+            full = f"{prefix}.{pname}" if prefix else pname
+            if id(p) in done:
+                _set_param(unit, pname, done[id(p)][1])
+                continue
+            if p.device.type != "meta":
+                continue
+            # [out, in] or [n]: one tensor at a time keeps the device peak at one block
+            new = torch.empty(p.shape, dtype=p.dtype, device=device)
+            fill_(full, new, seed)
+            done[id(p)] = (p, nn.Parameter(new, requires_grad=p.requires_grad))
+            _set_param(unit, pname, done[id(p)][1])
+        new = p = None  # no stray reference keeps the last tensor alive
+        if is_block and block_hook is not None:
+            block_hook(unit)
+        if is_block:
+            done.clear()
+        _place(unit, target, recurse)
+    _rebuild_rotary(model, device if rest_where == "device" else torch.device("cpu"))
+    return model
+
+
+def _set_param(module: nn.Module, dotted: str, value: nn.Parameter) -> None:
+    owner = module
+    *path, leaf = dotted.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, leaf, value)
+
+
+def _place(unit: nn.Module, where: Where, recurse: bool) -> None:
+    tensors = list(unit.parameters(recurse=recurse)) + list(unit.buffers(recurse=recurse))
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        if where == "device":
+            continue
+        host = t.data.to("cpu")
+        t.data = host.pin_memory() if where == "pinned" else host
+
+
+def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
+    """Rotary ``inv_freq`` is a non-persistent buffer computed at init: recompute it off the meta device."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rot = getattr(base.model, "rotary_emb", None)
+    if rot is not None:
+        base.model.rotary_emb = type(rot)(config=base.config, device=device)
+
+
+def lora_config() -> Any:
+    """The PEFT LoRA config every engine uses: r=16, alpha=32, no dropout, all projections."""
+    import peft
+
+    return peft.LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGETS),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_lora(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA (base frozen; fp32 adapters, PEFT's default), adapters seeded by name.
+
+    The adapters get the same values in every engine (A ~ N(0, 0.02), B = 0) whatever PEFT's own init
+    and wherever the base lives.
+    """
+    import peft
+
+    model = peft.get_peft_model(model, lora_config())
+    for name, p in model.named_parameters():
+        if "lora_" in name and p.device.type != "meta":
+            fill_(name, p.data, seed)
+    return model
+
+
+def make_batch(scenario: Scenario, vocab: int, device: torch.device | str, seed: int = 0) -> torch.Tensor:
+    """The seeded token batch shared by every engine: ``[batch, seq]`` int64, uniform over the vocabulary."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (scenario.batch, scenario.seq), generator=g)  # [B, T]
+    return ids.to(device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory failure of any engine (torch, CUDA, or an engine's own refusal to fit)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "cuda_error_out_of_memory" in text
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (the table's error text)."""
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0] if msg else ''}".strip()
+
+
+@dataclasses.dataclass
+class Timing:
+    """Per-step times and losses of one run."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    def median(self, warmup: int) -> float | None:
+        """Median step time after ``warmup`` steps (None before any timed step)."""
+        timed = self.times[warmup:]
+        return statistics.median(timed) if timed else None
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device before reading a clock (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(
+    step: Callable[[], float],
+    *,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+    progress: Callable[[dict[str, Any]], None],
+    timing: Timing,
+) -> Timing:
+    """Run ``warmup + steps`` steps, each timed between device synchronizations.
+
+    Raises:
+        FloatingPointError: when a loss is not finite (a broken engine must not look fast).
+    """
+    for i in range(warmup + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = float(step())
+        sync(device)
+        dt = time.perf_counter() - t0
+        if loss != loss or loss in (float("inf"), float("-inf")):
+            raise FloatingPointError(f"step {i}: loss is {loss}")
+        timing.times.append(dt)
+        timing.losses.append(loss)
+        progress({"event": "step", "step": i, "warmup": i < warmup, "step_s": dt, "loss": loss})
+    return timing

@@ -1,0 +1,78 @@
+"""Stock PyTorch: the model on the device, PEFT LoRA or full fine-tune with fused AdamW, HF loss.
+
+Full fine-tune keeps fp32 master weights and computes in bf16 under autocast (the usual mixed-precision
+recipe); LoRA keeps the bf16 base frozen with PEFT's fp32 adapters. Decode runs a prefill of the prompt
+and then times one generated token per step with transformers' own KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from engines import RunContext
+from engines.common import add_lora, build_meta_model, materialize
+
+
+def version() -> str:
+    """torch and transformers versions."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` when ``enabled``."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def setup(ctx: RunContext) -> Callable[[], float]:
+    """Build the model on the device and return the step function."""
+    sc = ctx.scenario
+    full = sc.mode == "full"
+    model = build_meta_model(sc, torch.float32 if full else torch.bfloat16)
+    materialize(model, "device", device=ctx.device, seed=ctx.seed)
+    if sc.mode == "lora":
+        model = add_lora(model, ctx.seed)
+    ids = ctx.batch()  # [B, T]
+    if sc.mode == "decode":
+        return _decode(model, ids)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0, fused=ctx.device.type == "cuda")
+
+    def step() -> float:
+        with autocast(ctx.device, full):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
+    """Prefill ``ids`` once, then each step decodes one token greedily; returns its negative log-prob."""
+    from transformers import DynamicCache
+
+    model.eval()
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    state = {"next": out.logits[:, -1].argmax(-1, keepdim=True), "pos": ids.shape[1]}  # [B, 1]
+
+    @torch.inference_mode()
+    def step() -> float:
+        pos = torch.tensor([state["pos"]], device=ids.device)
+        out = model(input_ids=state["next"], past_key_values=cache, use_cache=True, cache_position=pos)
+        logp = out.logits[:, -1].float().log_softmax(-1)  # [B, V]
+        state["next"] = logp.argmax(-1, keepdim=True)
+        state["pos"] += 1
+        return -logp.max(-1).values.mean().item()
+
+    return step

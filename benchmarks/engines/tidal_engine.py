@@ -1,0 +1,98 @@
+"""tidal through its public API: ``tidal_stream.wrap`` on a host-resident model, frozen base exact or quantized.
+
+- ``fmt=None`` (exact bf16): the model is filled block by block on the device and left in host RAM;
+  ``wrap(model, optimizer, vram_budget=…, device=…)`` plans what streams.
+- ``fmt="nf4" | "fp8" | "nvfp4"``: each block's frozen base linears are quantized with
+  ``tidal_quant.quantize_model_`` while the block is on the device, then the block goes to host RAM;
+  LoRA adapters (PEFT) sit on top of the quantized layers.
+- ``fmt="auto"``: ``tidal_hf.load_model(config_dir, quantize="auto", random_weights=True)`` decides
+  exact vs quantized by the budget, then the same ``wrap``.
+Any missing name shows as an ``error`` row with the import message (the table never loses the row).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engines import RunContext
+from engines.common import NotApplicable, add_lora, build_meta_model, decoder_layers, materialize
+from engines.scenarios import hf_config
+
+
+def version() -> str:
+    """tidal-stream (and tidal-quant) versions."""
+    import tidal_stream
+
+    try:
+        import tidal_quant
+
+        return f"tidal-stream {tidal_stream.__version__}, tidal-quant {tidal_quant.__version__}"
+    except ImportError:
+        return f"tidal-stream {tidal_stream.__version__}"
+
+
+def quantize_base_(block: nn.Module, fmt: str) -> None:
+    """Quantize the frozen base linears of one block (LoRA adapters, when present, are left alone)."""
+    from tidal_quant import quantize_model_
+
+    for parent in list(block.modules()):
+        base = getattr(parent, "base_layer", None)
+        if isinstance(base, nn.Linear):
+            # a holder makes the base linear a child quantize_model_ can replace; the adapters are not in it
+            holder = nn.Module()
+            holder.base_layer = base
+            quantize_model_(holder, fmt)
+            parent.base_layer = holder.base_layer
+    if not any(hasattr(m, "base_layer") for m in block.modules()):
+        quantize_model_(block, fmt)
+
+
+def _load_auto(ctx: RunContext) -> nn.Module:
+    """``tidal_hf.load_model`` with random weights of the scenario's exact shape, quantize="auto"."""
+    from tidal_hf import load_model
+
+    with tempfile.TemporaryDirectory() as d:
+        hf_config(ctx.scenario).save_pretrained(d)
+        return load_model(d, quantize="auto", dtype=torch.bfloat16, random_weights=True)
+
+
+def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
+    """Build (or load) the model, add LoRA when the scenario trains adapters, ``tidal_stream.wrap`` it."""
+    from tidal_stream import wrap
+
+    sc = ctx.scenario
+    if fmt not in (None, "auto") and sc.mode != "lora":
+        raise NotApplicable(f"{fmt} stores frozen weights; {sc.mode} fine-tuning trains every weight")
+    if fmt == "auto":
+        model = _load_auto(ctx)
+        if sc.mode == "lora":
+            model = add_lora(model, ctx.seed)
+    else:
+        model = build_meta_model(sc, torch.bfloat16)
+        if sc.mode == "lora":
+            model = add_lora(model, ctx.seed)  # on meta: materialize fills the adapters with the same values
+        hook = (lambda b: quantize_base_(b, fmt)) if fmt else None
+        where = "device" if ctx.device.type == "cpu" else "cpu"
+        materialize(model, where, device=ctx.device, seed=ctx.seed, block_hook=hook)
+    model.config.use_cache = False
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0)
+    options = {"device": ctx.device, "blocks": decoder_layers(model)}
+    if ctx.budget_bytes is not None:
+        options["vram_budget"] = ctx.budget_bytes
+    model, opt = wrap(model, opt, **options)
+    ids = ctx.batch()  # [B, T]
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step

@@ -1,0 +1,137 @@
+"""Timing helpers and cases shared by ``test_bench_quant.py`` (pytest-benchmark) and ``table.py``.
+
+All timings are CUDA-event medians after warm-up, bracketed by device synchronizations; inputs are
+random (never zeros); every quantized layer is checked against its bf16 reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+import tidal_quant as tq
+
+# Qwen2.5-14B linear layers, as (name, in_features, out_features).
+QWEN14B_LAYERS = [
+    ("q/o_proj", 5120, 5120),
+    ("k/v_proj", 5120, 1024),
+    ("gate/up_proj", 5120, 13824),
+    ("down_proj", 13824, 5120),
+]
+LINEAR_SHAPES = [(5120, 13824), (13824, 5120), (5120, 5120)]
+TOKENS = [512, 2048]
+FORMATS = ["nf4", "fp8", "fp8-bwd8", "int8", "nvfp4"]  # fp8-bwd8: fp8 with fp8_backward=True
+# quality floor of each format's layer output against bf16 (SQNR dB; measured ~21/32/44/21 on CPU)
+MIN_SQNR = {"nf4": 18.0, "fp8": 28.0, "fp8-bwd8": 28.0, "int8": 38.0, "nvfp4": 18.0, "bnb-nf4": 18.0}
+
+
+def cuda_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA device (each rep timed by its own events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()  # why: warm-up work must not leak into the first timed rep
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)  # why: device-side start of this rep
+        end = torch.cuda.Event(enable_timing=True)  # why: device-side end of this rep
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # why: read the elapsed time only once the rep finished
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """HBM device-to-device copy bandwidth in GB/s (read + write bytes per second)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def nf4_weight(in_f: int, out_f: int) -> tq.QuantizedWeight:
+    w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
+    return tq.quantize(w, "nf4")
+
+
+def dequant_bytes(qw: tq.QuantizedWeight) -> int:
+    """Bytes an NF4 dequantize to bf16 must move: packed codes + absmax read, bf16 written."""
+    return qw.nbytes() + 2 * qw.numel
+
+
+def nf4_dequant_case(in_f: int, out_f: int) -> dict:
+    """Time NF4 → bf16 dequantize of one layer; GB/s and fraction of the copy bandwidth."""
+    qw = nf4_weight(in_f, out_f)
+    ms = cuda_ms(lambda: tq.dequantize(qw, torch.bfloat16))
+    gbps = dequant_bytes(qw) / ms / 1e6
+    return {"shape": f"{out_f}x{in_f}", "ms": ms, "gbps": gbps}
+
+
+def make_layer(kind: str, in_f: int, out_f: int, weight: torch.Tensor) -> torch.nn.Module:
+    """A frozen layer of ``kind`` ("bf16", "bnb-nf4", "fp8-bwd8" or a tidal format) holding ``weight``."""
+    if kind == "bf16":
+        lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+        return lin.requires_grad_(False)
+    if kind == "bnb-nf4":
+        import bitsandbytes as bnb
+
+        lin = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        lin.weight = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4", blocksize=64)
+        return lin.cuda()
+    lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    if kind == "fp8-bwd8":
+        return tq.QuantLinear.from_linear(lin, "fp8", fp8_backward=True)
+    return tq.QuantLinear.from_linear(lin, kind)
+
+
+def bnb_available() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    """One forward + input-gradient step of ``layer`` (weights frozen)."""
+
+    def step() -> None:
+        x.grad = None
+        layer(x).backward(g)
+
+    return step
+
+
+def check_layer(kind: str, layer: torch.nn.Module, ref: torch.nn.Module, x: torch.Tensor) -> float:
+    """SQNR (dB) of ``layer``'s output against the bf16 reference; raises if under the format's floor."""
+    with torch.no_grad():
+        want, got = ref(x).float(), layer(x).float()
+    db = 10 * torch.log10(want.square().sum() / (want - got).square().sum()).item()
+    if db < MIN_SQNR[kind]:
+        raise AssertionError(
+            f"{kind}: output SQNR {db:.1f} dB < {MIN_SQNR[kind]} dB; not timing a wrong layer"
+        )
+    return db
+
+
+def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[str, float]:
+    """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included)."""
+    torch.manual_seed(0)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
+    ref = make_layer("bf16", in_f, out_f, weight)
+    out = {"bf16": cuda_ms(fwd_bwd(ref, x, g))}
+    for kind in kinds:
+        layer = make_layer(kind, in_f, out_f, weight)
+        check_layer(kind, layer, ref, x.detach())
+        out[kind] = cuda_ms(fwd_bwd(layer, x, g))
+        del layer
+    return out

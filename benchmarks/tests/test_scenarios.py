@@ -1,0 +1,73 @@
+"""The scenario table: exact public shapes, defaults, and errors that name the option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engines import ENGINES, get_engine, select
+from engines.common import build_meta_model
+from engines.scenarios import SCENARIOS, get_scenario, hf_config
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [("lora14b", 14.77), ("full1.5b", 1.54), ("full8b", 8.03), ("lora72b", 72.7), ("lora110b", 111.2)],
+)
+def test_param_counts_match_the_published_models(name: str, billions: float) -> None:
+    assert SCENARIOS[name].param_count() / 1e9 == pytest.approx(billions, abs=0.01 * billions)
+
+
+@pytest.mark.parametrize("name", ["smoke", "full1.5b", "lora14b", "full8b"])
+def test_param_count_formula_agrees_with_transformers(name: str) -> None:
+    sc = SCENARIOS[name]
+    model = build_meta_model(sc, torch.bfloat16)  # meta: no memory, exact shapes
+    assert sum(p.numel() for p in model.parameters()) == sc.param_count()
+
+
+def test_issue_scenarios_and_settings() -> None:
+    want = {"lora14b", "lora14b_2k", "full1.5b", "full8b", "lora72b", "lora110b", "decode8b"}
+    assert want <= set(SCENARIOS)
+    assert SCENARIOS["lora14b"].batch == 1 and SCENARIOS["lora14b"].seq == 512
+    assert SCENARIOS["lora14b_2k"].seq == 2048
+    assert (SCENARIOS["full8b"].batch, SCENARIOS["full8b"].seq) == (4, 2048)
+    assert SCENARIOS["lora72b"].vram_gb == 80 and SCENARIOS["lora110b"].vram_gb is None
+    assert SCENARIOS["lora14b"].lr == 2e-4 and SCENARIOS["full1.5b"].lr == 2e-5
+    assert hf_config(SCENARIOS["full1.5b"]).tie_word_embeddings is True
+
+
+def test_unknown_names_list_the_accepted_ones() -> None:
+    with pytest.raises(ValueError, match=r"--scenario: got 'lora13b'; accepted: lora14b"):
+        get_scenario("lora13b")
+    with pytest.raises(ValueError, match=r"--engines: got 'zero9'.*stock"):
+        get_engine("zero9")
+
+
+def test_select_keeps_table_order_and_all() -> None:
+    assert [e.name for e in select("all")] == list(ENGINES)
+    assert [e.name for e in select("tidal-nf4, stock")] == ["tidal-nf4", "stock"]
+
+
+def test_every_peer_of_the_issue_has_a_row() -> None:
+    names = set(ENGINES)
+    assert {
+        "stock",
+        "bnb-nf4",
+        "bnb-nf4-ckpt",
+        "trainstream",
+        "ds-zero2",
+        "ds-zero3",
+        "blockstreamer",
+    } <= names
+    assert {"tidal", "tidal-bf16", "tidal-nf4", "tidal-fp8", "tidal-nvfp4"} <= names
+    assert not ENGINES["bnb-nf4"].applies(SCENARIOS["full1.5b"])
+    assert ENGINES["ds-zero3"].applies(SCENARIOS["full1.5b"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("mode", "train"), ("arch", "gpt2"), ("batch", 0), ("vram_gb", -1.0)]
+)
+def test_bad_scenario_fields_are_rejected(field: str, value: object) -> None:
+    import dataclasses
+
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        dataclasses.replace(SCENARIOS["smoke"], **{field: value})

@@ -1,0 +1,249 @@
+"""Activation bytes per block per token: trace one block under ``saved_tensors_hooks`` (meta device OK)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class _Captured(Exception):
+    """Raised from the first block's pre-hook to stop the model's forward once its inputs are known."""
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel (flash / memory-efficient) saves: q, k, v, the output and a fp32
+    log-sum-exp per head and query. Used only on the meta device, where SDPA would take the math path."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # [B, H, T, Dv]
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # [B, H, T]
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # pragma: no cover - never run
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _meta_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return _FusedAttention.apply(q, k, v)
+
+
+@contextlib.contextmanager
+def _meta_tracing(active: bool) -> Iterator[None]:
+    """Make a meta-device forward look like the GPU's for one census trace.
+
+    ``torch.autocast(device_type="meta")`` (rotary embeddings ask for it) acts as the CPU one, and
+    ``scaled_dot_product_attention`` saves what the fused GPU kernels save instead of the math path's
+    fp32 copies and T x T matrices.
+
+    [Note: torch has no autocast dtype and no fused attention for the meta device; these patches live
+    only while one census traces a meta model, and are undone on exit.]
+    """
+    if not active:
+        yield
+        return
+    orig_init = torch.autocast.__init__
+    orig_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def init(self: torch.autocast, device_type: str, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast.__init__ = init  # type: ignore[method-assign]
+    torch.nn.functional.scaled_dot_product_attention = _meta_sdpa
+    try:
+        yield
+    finally:
+        torch.autocast.__init__ = orig_init  # type: ignore[method-assign]
+        torch.nn.functional.scaled_dot_product_attention = orig_sdpa
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _capture_block_inputs(
+    model: nn.Module, first: nn.Module, seq_len: int, example_inputs: dict[str, Any] | None
+) -> tuple[tuple, dict[str, Any]]:
+    """Run the model until its first block is called; return that call's args and kwargs."""
+    captured: dict[str, Any] = {}
+
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["args"], captured["kwargs"] = args, kwargs
+        raise _Captured
+
+    if example_inputs is None:
+        example_inputs = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device=_model_device(model))}
+    kwargs = dict(example_inputs)
+    if _accepts(model.forward, "use_cache") and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in captured:
+        raise RuntimeError("the model's forward returned without calling its first block")
+    return captured["args"], captured["kwargs"]
+
+
+def _first_tensor(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool, Any]:
+    """The block's main input (first tensor positional, else ``hidden_states``/``x`` keyword)."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a, True, i
+    for k in ("hidden_states", "x", "input"):
+        if isinstance(kwargs.get(k), torch.Tensor):
+            return kwargs[k], False, k
+    raise RuntimeError("could not find the block's floating-point input tensor")
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples / lists / dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _trace_block(block: nn.Module, args: tuple, kwargs: dict[str, Any], tokens: int) -> int:
+    """Bytes per token that autograd saves for backward in one forward of ``block``."""
+    x, positional, where = _first_tensor(args, kwargs)
+    x = x.detach().requires_grad_(True)
+    if positional:
+        args = (*args[:where], x, *args[where + 1 :])
+    else:
+        kwargs = {**kwargs, where: x}
+    # Parameters (and views of them) stream with the weights; the block's other inputs (position
+    # embeddings, masks) are made once per forward and shared by every block: neither is an activation.
+    params = {id(p) for p in block.parameters()}
+    params |= {id(t) for t in _tensors((args, kwargs)) if t is not x}
+    seen: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in params or (t._base is not None and id(t._base) in params):
+            return t
+        key = id(t._base) if t._base is not None else id(t)
+        base = t._base if t._base is not None else t
+        seen[key] = max(seen.get(key, 0), base.numel() * base.element_size())
+        keep.append(t)  # holds ids stable for the duration of the trace
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*args, **kwargs)
+    return sum(seen.values()) // max(1, tokens)
+
+
+def _heuristic(block: nn.Module) -> int:
+    """Fallback: each linear layer saves its input and its output (ReLU/SiLU/products keep similar)."""
+    total = 0
+    for m in block.modules():
+        if isinstance(m, nn.Linear):
+            total += (m.in_features + m.out_features) * m.weight.element_size()
+    return total
+
+
+def estimate_activations(
+    model: nn.Module,
+    stack: nn.Module,
+    *,
+    seq_len: int,
+    example_inputs: dict[str, Any] | None,
+    override: int | None,
+) -> tuple[list[int], list[int], str, list[str]]:
+    """Per block: activation bytes per token and input bytes per token; plus the source and notes."""
+    n = len(stack)
+    notes: list[str] = []
+    with _meta_tracing(_model_device(model).type == "meta"):
+        return _estimate(model, stack, n, notes, seq_len, example_inputs, override)
+
+
+def _estimate(
+    model: nn.Module,
+    stack: nn.Module,
+    n: int,
+    notes: list[str],
+    seq_len: int,
+    example_inputs: dict[str, Any] | None,
+    override: int | None,
+) -> tuple[list[int], list[int], str, list[str]]:
+    try:
+        calls = [_capture_block_inputs(model, stack[0], seq_len, example_inputs)]
+        if example_inputs is None:
+            calls.append(_capture_block_inputs(model, stack[0], 2 * seq_len, None))
+        x, _, _ = _first_tensor(*calls[0])
+        input_bytes = x.shape[-1] * x.element_size()
+    except Exception as e:
+        if override is None:
+            logger.warning(
+                "activation trace failed (%s: %s); using a per-linear heuristic", type(e).__name__, e
+            )
+            notes.append(f"activation trace failed ({type(e).__name__}: {e}); per-linear heuristic used")
+        acts = [override if override is not None else _heuristic(b) for b in stack]
+        first_linear = next((m for m in stack[0].modules() if isinstance(m, nn.Linear)), None)
+        inp = first_linear.in_features * first_linear.weight.element_size() if first_linear is not None else 0
+        return acts, [inp] * n, "override" if override is not None else "heuristic", notes
+    if override is not None:
+        return [override] * n, [input_bytes] * n, "override", notes
+    source = "meta-trace" if x.device.type == "meta" else "measured"
+    cache: dict[tuple[int, int], int] = {}
+    acts = []
+    for blk in stack:
+        sig = (
+            sum(p.numel() for p in blk.parameters() if p.requires_grad),
+            sum(p.numel() for p in blk.parameters()),
+        )
+        if sig not in cache:
+            try:
+                cache[sig] = _per_token(blk, calls)
+            except Exception as e:
+                logger.warning("activation trace of a block failed (%s); per-linear heuristic", e)
+                notes.append(f"activation trace of a block failed ({type(e).__name__}: {e}); heuristic used")
+                source = "heuristic"
+                cache[sig] = _heuristic(blk)
+        acts.append(cache[sig])
+    return acts, [input_bytes] * n, source, notes
+
+
+def _per_token(block: nn.Module, calls: list[tuple[tuple, dict[str, Any]]]) -> int:
+    """Saved bytes per token without the part that grows with sequence length.
+
+    [Note: a block that materializes T x T attention saves a + b*T bytes per token; the fused attention
+    kernels used on the GPU save only the a part. Two traces at T and 2T give a = 2*p(T) - p(2T).]
+    """
+    per = []
+    for args, kwargs in calls:
+        x, _, _ = _first_tensor(args, kwargs)
+        tokens = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
+        per.append(_trace_block(block, args, kwargs, tokens))
+    if len(per) == 1:
+        return per[0]
+    return max(0, min(per[0], 2 * per[0] - per[1]))

@@ -1,0 +1,331 @@
+"""``census(model)``: find the repeated block stack and count the bytes in and around it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from tidal_plan.errors import PlanConfigError
+from tidal_plan.units import format_bytes
+
+__all__ = ["BlockCensus", "ModelCensus", "census"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockCensus:
+    """Bytes and parameters of one block of the stack."""
+
+    index: int
+    """Position in the stack."""
+    name: str
+    """Qualified module name, e.g. ``"model.layers.3"``."""
+    trainable_bytes: int
+    """Bytes of parameters with ``requires_grad``."""
+    frozen_bytes: int
+    """Bytes of parameters without ``requires_grad``."""
+    buffer_bytes: int
+    """Bytes of buffers."""
+    trainable_params: int
+    """Number of trainable parameters (elements)."""
+    frozen_params: int
+    """Number of frozen parameters (elements)."""
+    activation_bytes_per_token: int
+    """Bytes autograd saves for backward in this block, per token."""
+    quantizable_params: int = 0
+    """Frozen elements in 2-D weights (linear layers) that a quantized storage format can hold."""
+    quantizable_bytes: int = 0
+    """Bytes of those weights in their current dtype."""
+    input_bytes_per_token: int = 0
+    """Bytes of the block's input per token (what recompute keeps)."""
+    matmul_params: int = 0
+    """Elements of 2-D weights (used for FLOP counts)."""
+
+    @property
+    def param_bytes(self) -> int:
+        """Trainable + frozen parameter bytes."""
+        return self.trainable_bytes + self.frozen_bytes
+
+
+@dataclass(frozen=True)
+class ModelCensus:
+    """What a model holds: its block stack, per-block bytes, everything outside, tied parameters."""
+
+    stack_name: str
+    """Qualified name of the block stack (``""`` when the model itself is the stack)."""
+    block_type: str
+    """Class name of the blocks."""
+    blocks: tuple[BlockCensus, ...]
+    """One entry per block, in order."""
+    outside_trainable_bytes: int
+    """Trainable parameter bytes outside the stack (embeddings, head, final norm)."""
+    outside_frozen_bytes: int
+    """Frozen parameter bytes outside the stack."""
+    outside_buffer_bytes: int
+    """Buffer bytes outside the stack."""
+    outside_trainable_params: int
+    """Trainable elements outside the stack."""
+    outside_frozen_params: int
+    """Frozen elements outside the stack."""
+    outside_quantizable_params: int
+    """Frozen elements outside the stack in linear weights (e.g. an untied LM head)."""
+    outside_quantizable_bytes: int
+    """Bytes of those weights in their current dtype."""
+    outside_matmul_params: int
+    """Elements of outside linear weights (the LM head) used for FLOP counts."""
+    outside_activation_bytes_per_token: int
+    """Activation bytes per token outside the stack (embedding output, final norm)."""
+    tied: tuple[tuple[str, ...], ...]
+    """Groups of qualified names that share one parameter (counted once)."""
+    param_to_block: dict[str, int | None] = field(default_factory=dict)
+    """Every parameter's qualified name (tied aliases too) -> block index, or None outside the stack."""
+    param_dtype_bytes: int = 2
+    """Element size of the (most common) trainable parameter dtype, or of all parameters if none trains."""
+    activation_source: str = "meta-trace"
+    """How activation bytes were found: ``"meta-trace"``, ``"measured"``, ``"override"`` or ``"heuristic"``."""
+    notes: tuple[str, ...] = ()
+    """Anything estimated rather than traced, one line each."""
+
+    @property
+    def trainable_bytes(self) -> int:
+        """All trainable parameter bytes."""
+        return sum(b.trainable_bytes for b in self.blocks) + self.outside_trainable_bytes
+
+    @property
+    def frozen_bytes(self) -> int:
+        """All frozen parameter bytes."""
+        return sum(b.frozen_bytes for b in self.blocks) + self.outside_frozen_bytes
+
+    @property
+    def trainable_params(self) -> int:
+        """All trainable elements."""
+        return sum(b.trainable_params for b in self.blocks) + self.outside_trainable_params
+
+    @property
+    def frozen_params(self) -> int:
+        """All frozen elements."""
+        return sum(b.frozen_params for b in self.blocks) + self.outside_frozen_params
+
+    @property
+    def total_params(self) -> int:
+        """All elements, tied parameters once."""
+        return self.trainable_params + self.frozen_params
+
+    @property
+    def total_bytes(self) -> int:
+        """All parameter and buffer bytes, tied parameters once."""
+        return (
+            self.trainable_bytes
+            + self.frozen_bytes
+            + sum(b.buffer_bytes for b in self.blocks)
+            + self.outside_buffer_bytes
+        )
+
+    def summary(self) -> str:
+        """One line: stack, blocks, parameters, bytes."""
+        return (
+            f"{len(self.blocks)} x {self.block_type} at '{self.stack_name}': "
+            f"{self.total_params / 1e9:.2f} B params ({self.trainable_params / 1e6:.1f} M trainable), "
+            f"{format_bytes(self.total_bytes)}; activations "
+            f"{format_bytes(self.blocks[0].activation_bytes_per_token)}/token/block ({self.activation_source})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        d = dataclasses.asdict(self)
+        d["blocks"] = [dataclasses.asdict(b) for b in self.blocks]
+        d["tied"] = [list(t) for t in self.tied]
+        d["notes"] = list(self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelCensus:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        d["blocks"] = tuple(BlockCensus(**b) for b in d["blocks"])
+        d["tied"] = tuple(tuple(t) for t in d["tied"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+def _find_stack(model: nn.Module, blocks: nn.Module | str | None) -> tuple[str, nn.Module]:
+    if isinstance(blocks, str):
+        try:
+            mod = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise PlanConfigError(
+                "blocks", blocks, "a dotted name of a ModuleList/Sequential inside the model", str(e)
+            ) from None
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 1:
+            raise PlanConfigError("blocks", blocks, "a non-empty nn.ModuleList or nn.Sequential")
+        return blocks, mod
+    if blocks is not None:
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) < 1:
+            raise PlanConfigError(
+                "blocks", type(blocks).__name__, "a non-empty nn.ModuleList or nn.Sequential"
+            )
+        for name, mod in model.named_modules():
+            if mod is blocks:
+                return name, mod
+        raise PlanConfigError("blocks", type(blocks).__name__, "a module list that is part of the model")
+    best: tuple[int, int, str, nn.Module] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        types = {type(c) for c in mod}
+        if len(types) != 1:
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        if numel == 0:
+            continue
+        cand = (numel, len(mod), name, mod)
+        if best is None or cand[:2] > best[:2]:
+            best = cand
+    if best is None:
+        raise PlanConfigError(
+            "blocks",
+            None,
+            "a model with a ModuleList/Sequential of >= 2 same-type children holding parameters",
+            "pass blocks= (the module list, or its dotted name like 'model.layers')",
+        )
+    return best[2], best[3]
+
+
+def _linear_weight_ids(module: nn.Module) -> tuple[set[int], set[int]]:
+    """ids of 2-D weights usable as matmul operands, and of embedding weights (lookups, not matmuls)."""
+    mats, embeds = set(), set()
+    for m in module.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 2:
+            continue
+        (embeds if isinstance(m, nn.Embedding) else mats).add(id(w))
+    return mats, embeds
+
+
+def _count(params: list[nn.Parameter], mats: set[int]) -> dict[str, int]:
+    c = dict(trainable_bytes=0, frozen_bytes=0, trainable_params=0, frozen_params=0)
+    c.update(quantizable_params=0, quantizable_bytes=0, matmul_params=0)
+    for p in params:
+        nb = p.numel() * p.element_size()
+        kind = "trainable" if p.requires_grad else "frozen"
+        c[f"{kind}_bytes"] += nb
+        c[f"{kind}_params"] += p.numel()
+        if id(p) in mats:
+            c["matmul_params"] += p.numel()
+            if not p.requires_grad:
+                c["quantizable_params"] += p.numel()
+                c["quantizable_bytes"] += nb
+    return c
+
+
+def census(
+    model: nn.Module,
+    blocks: nn.Module | str | None = None,
+    *,
+    activation_bytes_per_token: int | None = None,
+    seq_len: int = 32,
+    example_inputs: dict[str, Any] | None = None,
+) -> ModelCensus:
+    """Count what a model holds, block by block. Works on the meta device.
+
+    Args:
+        model: The model (on any device, the meta device included).
+        blocks: The block stack: a ``ModuleList``/``Sequential`` of the model or its dotted name; by default
+            the largest list of >= 2 same-type children.
+        activation_bytes_per_token: Override the per-block activation bytes per token.
+        seq_len: Sequence length of the trace that finds activation bytes (short, so attention's
+            T x T terms stay small next to the per-token ones).
+        example_inputs: Keyword inputs for one forward of the model (default: ``input_ids`` of
+            ``[1, seq_len]`` zeros on the model's device).
+
+    Returns:
+        The census. Activation bytes come from one forward of the first block of each size, run under
+        ``saved_tensors_hooks`` (on the meta device, no memory is used), else from a per-linear heuristic
+        (recorded in ``notes``).
+    """
+    from tidal_plan.activations import estimate_activations
+
+    if not isinstance(model, nn.Module):
+        raise PlanConfigError("model", type(model).__name__, "a torch.nn.Module")
+    if activation_bytes_per_token is not None and (
+        isinstance(activation_bytes_per_token, bool)
+        or not isinstance(activation_bytes_per_token, int)
+        or activation_bytes_per_token < 0
+    ):
+        raise PlanConfigError("activation_bytes_per_token", activation_bytes_per_token, "a non-negative int")
+    stack_name, stack = _find_stack(model, blocks)
+    prefix = f"{stack_name}." if stack_name else ""
+
+    # Parameter identity -> every name it has (tied aliases), in model order.
+    names_of: dict[int, list[str]] = {}
+    param_of: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        param_of[id(p)] = p
+    tied = tuple(tuple(n) for n in names_of.values() if len(n) > 1)
+
+    block_of_id: dict[int, int] = {}
+    per_block_params: list[list[nn.Parameter]] = []
+    for i, blk in enumerate(stack):
+        own = []
+        for p in blk.parameters():
+            if id(p) not in block_of_id:
+                block_of_id[id(p)] = i
+                own.append(p)
+        per_block_params.append(own)
+    param_to_block = {n: block_of_id.get(pid) for pid, ns in names_of.items() for n in ns}
+    outside = [param_of[pid] for pid in names_of if pid not in block_of_id]
+    mats, _ = _linear_weight_ids(model)
+
+    in_stack_buffers = {id(b) for b in stack.buffers()}
+    outside_buf = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in in_stack_buffers)
+
+    acts, inputs, source, notes = estimate_activations(
+        model, stack, seq_len=seq_len, example_inputs=example_inputs, override=activation_bytes_per_token
+    )
+    block_list = []
+    for i, blk in enumerate(stack):
+        c = _count(per_block_params[i], mats)
+        buf = sum(b.numel() * b.element_size() for b in blk.buffers())
+        block_list.append(
+            BlockCensus(
+                index=i,
+                name=f"{prefix}{i}",
+                buffer_bytes=buf,
+                activation_bytes_per_token=acts[i],
+                input_bytes_per_token=inputs[i],
+                **c,
+            )
+        )
+    oc = _count(outside, mats)
+    trainable = [p for p in param_of.values() if p.requires_grad] or list(param_of.values())
+    sizes: dict[int, int] = {}
+    for p in trainable:
+        sizes[p.element_size()] = sizes.get(p.element_size(), 0) + p.numel()
+    dtype_bytes = max(sizes, key=lambda k: sizes[k]) if sizes else 2
+    result = ModelCensus(
+        stack_name=stack_name,
+        block_type=type(stack[0]).__name__,
+        blocks=tuple(block_list),
+        outside_trainable_bytes=oc["trainable_bytes"],
+        outside_frozen_bytes=oc["frozen_bytes"],
+        outside_buffer_bytes=outside_buf,
+        outside_trainable_params=oc["trainable_params"],
+        outside_frozen_params=oc["frozen_params"],
+        outside_quantizable_params=oc["quantizable_params"],
+        outside_quantizable_bytes=oc["quantizable_bytes"],
+        outside_matmul_params=oc["matmul_params"],
+        outside_activation_bytes_per_token=2 * (inputs[0] if inputs else 0),
+        tied=tied,
+        param_to_block=param_to_block,
+        param_dtype_bytes=dtype_bytes,
+        activation_source=source,
+        notes=tuple(notes),
+    )
+    logger.info("census: %s", result.summary())
+    return result

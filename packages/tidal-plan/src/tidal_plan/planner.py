@@ -1,0 +1,510 @@
+"""``plan()``: decide where every byte lives, or refuse with the numbers and the way out."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from tidal_plan.census import ModelCensus
+from tidal_plan.config import FORMATS, PlanConfig
+from tidal_plan.cost import (
+    Context,
+    Evaluation,
+    State,
+    block_weight_bytes,
+    evaluate,
+    outside_weight_bytes,
+    state_bytes_per_param,
+)
+from tidal_plan.errors import InfeasiblePlan, PlanConfigError
+from tidal_plan.hardware import HardwareProfile
+from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan
+from tidal_plan.units import GiB, MiB, format_bytes
+
+__all__ = ["plan"]
+
+logger = logging.getLogger(__name__)
+
+# A step that improves by less than this share is not worth more VRAM under prefer="memory".
+MEMORY_PREFER_MIN_GAIN = 0.02
+# With quantize="auto" and prefer="speed", a smaller storage format must shorten the step this much.
+SPEED_PREFER_MIN_GAIN = 0.10
+
+
+@dataclass
+class _Fixed:
+    """User-forced decisions per block (None = the planner decides)."""
+
+    resident: list[bool | None]
+    act_allowed: list[list[str]]  # activation modes allowed per block, in _ACT_ORDER
+    opt_gpu: bool | None
+
+
+_ACT_ORDER = ("offload", "recompute", "keep")
+
+
+def _share(value: object, n: int) -> set[int]:
+    """Blocks selected by a policy value (True, a fraction of the first blocks, or indices)."""
+    if value is True:
+        return set(range(n))
+    if isinstance(value, float):
+        return set(range(math.ceil(value * n)))
+    if isinstance(value, (list, tuple)):
+        return {i for i in value}
+    return set()
+
+
+def _fixed(config: PlanConfig, n: int) -> _Fixed:
+    for opt in ("param_offload", "recompute"):
+        v = getattr(config, opt)
+        if isinstance(v, (list, tuple)) and any(i >= n for i in v):
+            raise PlanConfigError(opt, v, f"block indices below {n} (the stack has {n} blocks)")
+    resident: list[bool | None] = [None] * n
+    if config.param_offload is False:
+        resident = [True] * n
+    elif config.param_offload != "auto":
+        streamed = _share(config.param_offload, n)
+        resident = [i not in streamed for i in range(n)]
+    offl = _share(config.activation_offload, n) if config.activation_offload != "auto" else None
+    reco = _share(config.recompute, n) if config.recompute != "auto" else None
+    act_allowed = []
+    for i in range(n):
+        allowed = list(_ACT_ORDER)
+        if offl is not None:
+            allowed = ["offload"] if i in offl else [a for a in allowed if a != "offload"]
+        if reco is not None:
+            allowed = (
+                [a for a in allowed if a == "recompute"]
+                if i in reco
+                else [a for a in allowed if a != "recompute"]
+            )
+        if not allowed:  # offload forced and recompute forced on the same block
+            raise PlanConfigError(
+                "recompute",
+                config.recompute,
+                "blocks disjoint from activation_offload's",
+                "choose one per block",
+            )
+        act_allowed.append(allowed)
+    opt_gpu = None if config.offload == "auto" else (not config.offload)
+    return _Fixed(resident, act_allowed, opt_gpu)
+
+
+def _minimal(n: int, fmt: str, moment: str, fx: _Fixed, act_floor: str) -> State:
+    """Every block streamed, every update on the host, activations at ``act_floor`` where allowed."""
+    floor = _ACT_ORDER.index(act_floor)
+    act = [
+        next((a for a in allowed if _ACT_ORDER.index(a) >= floor), allowed[-1]) for allowed in fx.act_allowed
+    ]
+    return State(
+        fmt=fmt,
+        moment=moment,
+        resident=[r if r is not None else False for r in fx.resident],
+        act=act,
+        opt_gpu=[fx.opt_gpu if fx.opt_gpu is not None else False] * n,
+        outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else False,
+    )
+
+
+def _maximal(n: int, fmt: str, moment: str, fx: _Fixed) -> State:
+    return State(
+        fmt=fmt,
+        moment=moment,
+        resident=[r if r is not None else True for r in fx.resident],
+        act=[allowed[-1] for allowed in fx.act_allowed],
+        opt_gpu=[fx.opt_gpu if fx.opt_gpu is not None else True] * n,
+        outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else True,
+    )
+
+
+def _moves(s: State, fx: _Fixed, census: ModelCensus) -> list[State]:
+    """The next upgrade of each kind (resident weights from the last block down, GPU optimizer likewise,
+    activation mode one step towards keep from the first block up)."""
+    n = len(s.resident)
+    out = []
+    for i in reversed(range(n)):
+        if not s.resident[i] and fx.resident[i] is None:
+            t = s.copy()
+            t.resident[i] = True
+            out.append(t)
+            break
+    if fx.opt_gpu is None:
+        for i in reversed(range(n)):
+            if not s.opt_gpu[i] and census.blocks[i].trainable_params:
+                t = s.copy()
+                t.opt_gpu[i] = True
+                out.append(t)
+                break
+        if not s.outside_opt_gpu:
+            t = s.copy()
+            t.outside_opt_gpu = True
+            out.append(t)
+    # Activations: raise the lowest mode first (offload -> recompute everywhere before any keep).
+    upgradable = [i for i in range(n) if s.act[i] != fx.act_allowed[i][-1]]
+    if upgradable:
+        i = min(upgradable, key=lambda j: (_ACT_ORDER.index(s.act[j]), j))
+        allowed = fx.act_allowed[i]
+        t = s.copy()
+        t.act[i] = allowed[allowed.index(s.act[i]) + 1]
+        out.append(t)
+    return out
+
+
+def _search(ctx: Context, s: State, fx: _Fixed, prefer: str) -> tuple[State, Evaluation]:
+    """Greedy: take the upgrade that saves the most objective per VRAM byte, while it fits."""
+    ev = evaluate(ctx, s)
+    while True:
+        best: tuple[float, State, Evaluation] | None = None
+        for t in _moves(s, fx, ctx.census):
+            et = evaluate(ctx, t)
+            if et.vram_total > ctx.budget:
+                continue
+            gain = ev.objective - et.objective
+            if gain <= 0 or (prefer == "memory" and gain < MEMORY_PREFER_MIN_GAIN * ev.prediction.step_s):
+                continue
+            score = gain / max(1, et.vram_total - ev.vram_total)
+            if best is None or score > best[0]:
+                best = (score, t, et)
+        if best is None:
+            return s, ev
+        _, s, ev = best
+
+
+def _formats(config: PlanConfig, census: ModelCensus, profile: HardwareProfile) -> list[str]:
+    has_frozen_linear = (
+        census.outside_quantizable_params + sum(b.quantizable_params for b in census.blocks) > 0
+    )
+    q = config.quantize
+    if q is None:
+        return ["exact"]
+    if q == "auto":
+        return ["exact", "int8", "nf4"] if has_frozen_linear else ["exact"]
+    if not has_frozen_linear:
+        raise PlanConfigError(
+            "quantize",
+            q,
+            "None when no linear weight is frozen",
+            "quantization stores frozen weights; use LoRA",
+        )
+    if q == "fp8" and not profile.has_fp8_tensor_cores:
+        raise PlanConfigError(
+            "quantize",
+            q,
+            f"{', '.join(f for f in FORMATS if f != 'fp8')} on {profile.device_name}",
+            "fp8 needs FP8 tensor cores (sm_89+); use 'int8' or 'nf4'",
+        )
+    return [q]
+
+
+def _training(config: PlanConfig, census: ModelCensus) -> str:
+    if census.trainable_params == 0:
+        raise PlanConfigError(
+            "model",
+            "no trainable parameters",
+            "a model with requires_grad parameters",
+            "unfreeze the parameters to train (or add LoRA adapters)",
+        )
+    inferred = "full" if census.frozen_params == 0 else "lora"
+    if config.training == "lora" and census.frozen_params == 0:
+        raise PlanConfigError(
+            "training",
+            "lora",
+            "'full' for a model without frozen parameters",
+            "freeze the base or pass 'full'",
+        )
+    return inferred if config.training == "auto" else config.training
+
+
+def _context(census: ModelCensus, profile: HardwareProfile, config: PlanConfig) -> Context:
+    budget = config.bytes_or_none("vram_budget")
+    if budget is None:
+        budget = profile.vram_budget_bytes
+    elif profile.device_kind == "cuda" and budget > profile.device_total_bytes:
+        raise PlanConfigError(
+            "vram_budget",
+            config.vram_budget,
+            f"at most {format_bytes(profile.device_total_bytes)} ({profile.device_name})",
+            "lower the budget",
+        )
+    if budget <= 0:
+        raise PlanConfigError(
+            "vram_budget",
+            budget,
+            "a positive budget",
+            f"{profile.device_name} reports no free memory; pass one",
+        )
+    host = config.bytes_or_none("host_ram")
+    host = profile.host_ram_bytes if host is None else host
+    headroom = config.bytes_or_none("headroom_bytes")
+    headroom = max(256 * MiB, budget // 20) if headroom is None else headroom
+    if headroom >= budget:
+        raise PlanConfigError(
+            "headroom_bytes",
+            config.headroom_bytes,
+            f"less than the budget {format_bytes(budget)}",
+            "lower the headroom or raise vram_budget",
+        )
+    master = (
+        config.master_weights if isinstance(config.master_weights, bool) else census.param_dtype_bytes < 4
+    )
+    return Context(
+        census=census,
+        profile=profile,
+        tokens=config.batch_tokens,
+        depth=config.prefetch_depth,
+        inflight_cap=config.bytes_or_none("max_inflight_bytes"),
+        budget=budget,
+        headroom=headroom,
+        host_usable=max(0, host - max(GiB, host // 20)),
+        master=master,
+        bytes_per_weight=config.bytes_per_weight,
+    )
+
+
+def plan(census: ModelCensus, profile: HardwareProfile, config: PlanConfig | None = None) -> Plan:
+    """Decide where every byte lives: optimizer placement, moments, weight residency, storage, activations.
+
+    Args:
+        census: The model's census (:func:`tidal_plan.census`).
+        profile: The machine (:func:`tidal_plan.profile_hardware` or ``HardwareProfile.synthetic``).
+        config: What to plan for; default ``PlanConfig()``.
+
+    Returns:
+        The plan, with its predicted step time. Plain GPU AdamW with every block resident when everything
+        fits; otherwise the cheapest placement found by a greedy search over the cost model.
+
+    Raises:
+        InfeasiblePlan: When no placement fits the VRAM budget or host RAM, with the numbers and ways out.
+        PlanConfigError: For options that contradict the model or the machine.
+    """
+    config = config if config is not None else PlanConfig()
+    if not isinstance(config, PlanConfig):
+        raise PlanConfigError("config", type(config).__name__, "a PlanConfig", "build one: PlanConfig(...)")
+    if not isinstance(census, ModelCensus):
+        raise PlanConfigError(
+            "census", type(census).__name__, "a ModelCensus", "call tidal_plan.census(model)"
+        )
+    if not isinstance(profile, HardwareProfile):
+        raise PlanConfigError(
+            "profile", type(profile).__name__, "a HardwareProfile", "call tidal_plan.profile_hardware()"
+        )
+    training = _training(config, census)
+    ctx = _context(census, profile, config)
+    n = len(census.blocks)
+    fx = _fixed(config, n)
+    formats = _formats(config, census, profile)
+    moments = ["fp32", "bf16"] if config.moment_dtype == "auto" else [config.moment_dtype]
+    failures: list[tuple[str, str, str, Evaluation]] = []  # (fmt, moment, resource, evaluation)
+    chosen: tuple[State, Evaluation, list[str]] | None = None
+    for fmt in formats:
+        for moment in moments:
+            found = _try(ctx, fx, config, fmt, moment, failures)
+            if found is not None:
+                chosen = found
+                break
+        if chosen is not None:
+            break
+    if chosen is None:
+        raise _infeasible(ctx, config, failures)
+    state, ev, notes = chosen
+    if state.fmt != "exact" and config.quantize == "auto":
+        notes.append(
+            f"quantize='auto': exact storage did not fit; frozen linear weights stored as {state.fmt}"
+        )
+    if config.quantize == "auto" and config.prefer == "speed" and not all(state.resident):
+        state, ev, notes = _faster_format(ctx, fx, config, formats, (state, ev, notes))
+    if state.fmt == "nvfp4" and not profile.has_fp4_tensor_cores:
+        notes.append("nvfp4 without FP4 tensor cores: weights are dequantized before each matmul")
+    return _build(ctx, config, training, state, ev, notes)
+
+
+def _faster_format(
+    ctx: Context,
+    fx: _Fixed,
+    config: PlanConfig,
+    formats: list[str],
+    found: tuple[State, Evaluation, list[str]],
+) -> tuple[State, Evaluation, list[str]]:
+    """With ``quantize="auto"`` and ``prefer="speed"``: a smaller format whose plan (free, or with every
+    block resident) predicts a step at least ``SPEED_PREFER_MIN_GAIN`` shorter replaces a streaming plan."""
+    best = found
+    first = found[0]
+    all_resident = _Fixed([True if r is None else r for r in fx.resident], fx.act_allowed, fx.opt_gpu)
+    for fmt in formats[formats.index(first.fmt) + 1 :]:
+        for fixed in (fx, all_resident):
+            alt = _try(ctx, fixed, config, fmt, first.moment, [])
+            if (
+                alt is None
+                or alt[1].prediction.step_s >= (1 - SPEED_PREFER_MIN_GAIN) * best[1].prediction.step_s
+            ):
+                continue
+            streams = len(first.resident) - sum(first.resident)
+            best = (
+                alt[0],
+                alt[1],
+                [
+                    *(n for n in found[2] if not n.startswith("moments")),
+                    *alt[2],
+                    f"quantize='auto', prefer='speed': {fmt} predicts {alt[1].prediction.step_s * 1e3:.0f} ms/step, "
+                    f"{first.fmt} {found[1].prediction.step_s * 1e3:.0f} ms streaming {streams} blocks",
+                ],
+            )
+    return best
+
+
+def _try(
+    ctx: Context, fx: _Fixed, config: PlanConfig, fmt: str, moment: str, failures: list
+) -> tuple[State, Evaluation, list[str]] | None:
+    n = len(ctx.census.blocks)
+    notes: list[str] = []
+    full = _maximal(n, fmt, moment, fx)
+    ev_full = evaluate(ctx, full)
+    if ev_full.vram_total <= ctx.budget and ev_full.host_total <= ctx.host_usable:
+        return full, ev_full, notes
+    # Two starting points (recompute everywhere, offload everywhere): a greedy search from one alone can
+    # spend the budget on weights before it sees that recomputing every block frees the link.
+    results, smallest = [], None
+    for floor in ("recompute", "offload"):
+        low = _minimal(n, fmt, moment, fx, floor)
+        ev_low = evaluate(ctx, low)
+        if smallest is None or ev_low.vram_total < smallest.vram_total:
+            smallest = ev_low
+        if ev_low.vram_total <= ctx.budget:
+            results.append(_search(ctx, low, fx, config.prefer))
+    if not results:
+        assert smallest is not None
+        failures.append((fmt, moment, "vram", smallest))
+        return None
+    s, ev = min(results, key=lambda r: r[1].objective)
+    if ev.host_total > ctx.host_usable:
+        failures.append((fmt, moment, "host_ram", ev))
+        return None
+    if moment == "bf16" and config.moment_dtype == "auto":
+        notes.append("moments bf16: fp32 moments would not fit host RAM")
+    return s, ev, notes
+
+
+def _infeasible(ctx: Context, config: PlanConfig, failures: list) -> InfeasiblePlan:
+    vram = [f for f in failures if f[2] == "vram"]
+    host = [f for f in failures if f[2] == "host_ram"]
+    if host:
+        fmt, moment, _, ev = host[-1]
+        need, avail = ev.host_total, ctx.host_usable
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in ev.host.items() if v)
+        state = ev.host["AdamW state"]
+        if state > need // 4:
+            what = f"host AdamW needs {format_bytes(state)} for {moment} moments{' + fp32 master' if ctx.master else ''}"
+            msg = f"{what}; host RAM needs {format_bytes(need)} in all ({parts}), {format_bytes(avail)} available"
+        else:
+            msg = f"host RAM needs {format_bytes(need)} ({parts}), {format_bytes(avail)} available"
+        ways = []
+        if moment == "fp32" and state > need // 4:
+            bf = state * state_bytes_per_param(ctx, "bf16") // state_bytes_per_param(ctx, moment)
+            ways.append(f"use moment_dtype='bf16' ({format_bytes(bf)})")
+        if ctx.master and state > need // 4 and config.master_weights != False:  # noqa: E712 - "auto"/True
+            ways.append("master_weights=False (bf16 updates without an fp32 copy)")
+        if (
+            fmt == "exact"
+            and ev.host["streamed weights"] > need // 4
+            and sum(b.quantizable_params for b in ctx.census.blocks)
+        ):
+            ways.append("quantize='int8' (frozen weights in about 1 byte each)")
+        if ev.host["offloaded activations"] > need // 4:
+            ways.append("activation_offload=False or fewer batch_tokens")
+        if ctx.census.frozen_params == 0:
+            ways.append("train adapters (LoRA) instead of every parameter")
+        ways.append(f"host_ram >= {format_bytes(need + max(GiB, need // 20))} if the machine has it")
+        return InfeasiblePlan("host_ram", need, avail, msg, tuple(ways))
+    fmt, moment, _, ev = vram[-1]
+    need = ev.vram_total
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in ev.vram.items() if v)
+    msg = f"the smallest placement needs {format_bytes(need)} of VRAM ({parts}), budget {format_bytes(ctx.budget)}"
+    ways = []
+    if config.quantize is None and ctx.census.frozen_params:
+        ways.append("quantize='auto' (int8, else nf4 frozen weights)")
+    act = ev.vram["activations"]
+    if act > need - ctx.budget and config.batch_tokens > 1:
+        over = need - ctx.budget
+        fit_tokens = max(1, int(config.batch_tokens * (1 - over / act)))
+        ways.append(f"batch_tokens <= {fit_tokens} (activations take {format_bytes(act)})")
+    if outside_weight_bytes(ctx, fmt) > ctx.budget // 2:
+        ways.append(
+            f"a model whose embeddings/head ({format_bytes(outside_weight_bytes(ctx, fmt))}) fit the budget"
+        )
+    ways.append(f"vram_budget >= {format_bytes(need)}")
+    return InfeasiblePlan("vram", need, ctx.budget, msg, tuple(ways))
+
+
+def _build(
+    ctx: Context, config: PlanConfig, training: str, s: State, ev: Evaluation, notes: list[str]
+) -> Plan:
+    c = ctx.census
+    blocks = []
+    streamed_bytes: list[int] = []
+    for b in c.blocks:
+        act = s.act[b.index]
+        act_bytes = {
+            "keep": b.activation_bytes_per_token,
+            "recompute": b.input_bytes_per_token,
+            "offload": 0,
+        }[act]
+        has_frozen_linear = b.quantizable_params > 0
+        wbytes = block_weight_bytes(ctx, b, s.fmt)
+        # A block whose every byte updates on the GPU has nothing to stream (see cost.evaluate).
+        stream_bytes = wbytes - (b.trainable_bytes if s.opt_gpu[b.index] else 0)
+        streamed_bytes.append(0 if s.resident[b.index] else stream_bytes)
+        blocks.append(
+            BlockPlan(
+                index=b.index,
+                name=b.name,
+                weights="resident" if s.resident[b.index] or stream_bytes == 0 else "streamed",
+                storage=s.fmt if has_frozen_linear else "exact",  # type: ignore[arg-type]
+                activations=act,  # type: ignore[arg-type]
+                optimizer="none" if not b.trainable_params else ("gpu" if s.opt_gpu[b.index] else "host"),
+                weight_bytes=wbytes,
+                activation_bytes=act_bytes * ctx.tokens,
+            )
+        )
+    gpu_blocks = tuple(b.index for b in c.blocks if b.trainable_params and s.opt_gpu[b.index])
+    trained_blocks = [b for b in c.blocks if b.trainable_params]
+    outside_gpu = s.outside_opt_gpu or c.outside_trainable_params == 0
+    on_gpu = len(gpu_blocks) == len(trained_blocks) and outside_gpu
+    on_host = not gpu_blocks and (not s.outside_opt_gpu or c.outside_trainable_params == 0)
+    placement = "gpu" if on_gpu else ("host" if on_host else "split")
+    opt = OptimizerPlan(
+        placement=placement,  # type: ignore[arg-type]
+        moment_dtype=s.moment,  # type: ignore[arg-type]
+        gpu_blocks=gpu_blocks,
+        outside_on_gpu=outside_gpu,
+        gpu_state_bytes=ev.gpu_state,
+        host_state_bytes=ev.host_state,
+        master_weights=ctx.master,
+    )
+    if ev.pageable > ev.host_state:
+        notes.append(
+            f"page-lock limit {format_bytes(ctx.profile.pagelock_limit_bytes)}: "
+            f"{format_bytes(ev.pageable - ev.host_state)} of streamed data stays pageable (slower copies); "
+            "raise `ulimit -l`"
+        )
+    inflight = config.bytes_or_none("max_inflight_bytes")
+    if inflight is None:
+        inflight = ctx.depth * max(streamed_bytes, default=0)
+    result = Plan(
+        training=training,  # type: ignore[arg-type]
+        optimizer=opt,
+        blocks=tuple(blocks),
+        prefetch_depth=ctx.depth,
+        max_inflight_bytes=inflight,
+        tiers={"vram": ev.vram_total, "pinned_host": ev.pinned, "pageable_host": ev.pageable},
+        prediction=ev.prediction,
+        vram_budget_bytes=ctx.budget,
+        host_ram_bytes=ctx.host_usable,
+        batch_tokens=ctx.tokens,
+        quantize=None if s.fmt == "exact" else s.fmt,
+        outside_weight_bytes=outside_weight_bytes(ctx, s.fmt),
+        vram_breakdown=dict(ev.vram),
+        notes=tuple(notes),
+    )
+    logger.info("plan:\n%s", result.explain())
+    return result

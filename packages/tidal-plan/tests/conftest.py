@@ -1,0 +1,125 @@
+"""Meta-device model shapes for the planner tests (no weights are allocated)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus a rank-r adapter (the shapes PEFT LoRA adds)."""
+
+    def __init__(self, base: nn.Linear, r: int) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(
+            base.in_features, r, bias=False, device=base.weight.device, dtype=base.weight.dtype
+        )
+        self.lora_B = nn.Linear(
+            r, base.out_features, bias=False, device=base.weight.device, dtype=base.weight.dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))  # [..., out]
+
+
+def add_lora(model: nn.Module, r: int = 16) -> nn.Module:
+    """Freeze every parameter, then wrap each linear inside the block stack with a trainable adapter."""
+    model.requires_grad_(False)
+    layers = model.model.layers
+    for layer in layers:
+        for name, mod in list(layer.named_modules()):
+            if isinstance(mod, nn.Linear):
+                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                setattr(parent, name.rsplit(".", 1)[-1], LoRALinear(mod, r))
+    return model
+
+
+def meta_causal_lm(kind: str, **cfg) -> nn.Module:
+    """A transformers causal LM of the given config on the meta device, in bf16."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind](**cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+QWEN_14B = dict(
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    vocab_size=152064,
+)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+QWEN_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+
+
+@functools.cache
+def _census_of(name: str):
+    """Censuses are immutable, so each shape is built and counted once per test run."""
+    from tidal_plan import census
+
+    if name == "qwen14b_lora":
+        return census(add_lora(meta_causal_lm("qwen2", **QWEN_14B)))
+    if name == "llama8b":
+        return census(meta_causal_lm("llama", **LLAMA3_8B))
+    return census(meta_causal_lm("qwen2", **QWEN_1_5B))
+
+
+@pytest.fixture
+def qwen14b_lora_census():
+    return _census_of("qwen14b_lora")
+
+
+@pytest.fixture
+def llama8b_census():
+    return _census_of("llama8b")
+
+
+@pytest.fixture
+def qwen1_5b_census():
+    return _census_of("qwen1_5b")
+
+
+def fake_bytes_per_weight(fmt: str) -> float:
+    """Bytes per weight of each format with its scales (int8: absmax per 64; nf4: absmax per 64, double
+    quantized; fp8: one scale per row ~ 0; nvfp4: e4m3 per 16 + global)."""
+    return {"int8": 1.0 + 4 / 64, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}[
+        fmt
+    ]
+
+
+@pytest.fixture
+def bpw():
+    return fake_bytes_per_weight
+
+
+@pytest.fixture
+def build_meta_lm():
+    """``build_meta_lm(kind, lora_rank=None, **config)`` -> a meta-device causal LM (LoRA-wrapped if asked)."""
+
+    def build(kind: str, lora_rank: int | None = None, **cfg) -> nn.Module:
+        m = meta_causal_lm(kind, **cfg)
+        return add_lora(m, lora_rank) if lora_rank else m
+
+    return build

@@ -1,0 +1,154 @@
+import pytest
+import torch
+from torch import nn
+
+from tidal_plan import ModelCensus, PlanConfigError, census
+
+
+def _tiny_qwen(device="meta", dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def test_qwen14b_shape_counts(qwen14b_lora_census):
+    c: ModelCensus = qwen14b_lora_census
+    h, inter, kv, r = 5120, 13824, 1024, 16
+    base = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h
+    lora = r * (h + h) + 2 * r * (h + kv) + r * (h + h) + 2 * r * (h + inter) + r * (inter + h)
+    assert c.stack_name == "model.layers" and len(c.blocks) == 48 and c.block_type == "Qwen2DecoderLayer"
+    b = c.blocks[7]
+    assert (b.frozen_params, b.trainable_params) == (base, lora)
+    assert (b.frozen_bytes, b.trainable_bytes) == (2 * base, 2 * lora)
+    assert b.quantizable_params == base - (h + 2 * kv) - 2 * h  # all but biases and norms
+    assert c.outside_frozen_params == 2 * 152064 * h + h and c.outside_trainable_params == 0
+    assert c.outside_quantizable_params == 152064 * h  # the untied LM head
+    assert c.param_to_block["model.layers.7.mlp.down_proj.base.weight"] == 7
+    assert c.param_to_block["lm_head.weight"] is None
+    assert c.activation_source == "meta-trace" and not c.notes
+    # A LoRA block saves at least its input and every linear's adapter input, per token.
+    assert b.activation_bytes_per_token > 10 * h * 2
+    assert b.input_bytes_per_token == h * 2
+
+
+def test_tied_parameters_are_counted_once(qwen1_5b_census):
+    c = qwen1_5b_census
+    assert ("model.embed_tokens.weight", "lm_head.weight") in c.tied
+    assert c.outside_trainable_params == 151936 * 1536 + 1536
+    assert (
+        c.param_to_block["lm_head.weight"] is None and c.param_to_block["model.embed_tokens.weight"] is None
+    )
+
+
+def test_meta_trace_equals_measurement_on_real_weights():
+    meta = census(_tiny_qwen("meta"))
+    real = census(_tiny_qwen("cpu"))
+    assert meta.activation_source == "meta-trace" and real.activation_source == "measured"
+    # Both sides save what a fused attention kernel saves (the meta trace stands one in). What may differ
+    # is transformers' own dispatch: on the CPU it expands k and v to every head (repeat_kv) before the
+    # kernel; on the meta device it passes them unexpanded (enable_gqa). Nothing else may differ.
+    heads, kv_heads, head_dim, elt = 4, 2, 16, 4
+    repeat_kv = 2 * (heads - kv_heads) * head_dim * elt
+    for mb, rb in zip(meta.blocks, real.blocks):
+        assert abs(mb.activation_bytes_per_token - rb.activation_bytes_per_token) in (0, repeat_kv)
+        assert mb.activation_bytes_per_token > 10 * 64 * 4  # far more than the log-sum-exp
+    assert meta.total_bytes == real.total_bytes
+
+
+def test_frozen_blocks_save_less_than_trainable_ones():
+    full = census(_tiny_qwen())
+    frozen_model = _tiny_qwen()
+    frozen_model.requires_grad_(False)
+    frozen = census(frozen_model)
+    assert 0 < frozen.blocks[0].activation_bytes_per_token < full.blocks[0].activation_bytes_per_token
+
+
+def test_blocks_by_name_module_and_override():
+    m = _tiny_qwen()
+    by_name = census(m, "model.layers", activation_bytes_per_token=1234)
+    by_mod = census(m, m.model.layers)
+    assert by_name.stack_name == by_mod.stack_name == "model.layers"
+    assert by_name.activation_source == "override"
+    assert all(b.activation_bytes_per_token == 1234 for b in by_name.blocks)
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))  # [B, T, d]
+
+
+class _Net(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.Sequential(*[_Block(d) for _ in range(n)])
+        self.side = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])  # smaller: not the stack
+
+    def forward(self, x):
+        return self.blocks(self.inp(x))
+
+
+def test_plain_module_stack_and_example_inputs():
+    net = _Net()
+    c = census(net, example_inputs={"x": torch.randn(2, 8, 16)})
+    assert c.stack_name == "blocks" and len(c.blocks) == 4
+    # saved: fc1 input (16), relu output (64, used by fc2 and relu backward), fc1 output is not kept
+    # separately by relu (it saves its result) -> 16 + 64 floats per token, each 4 bytes
+    assert c.blocks[0].activation_bytes_per_token == (16 + 64) * 4
+    assert c.outside_trainable_params == 16 * 16 + 16 + 2 * (16 * 16 + 16)
+
+
+def test_heuristic_when_the_forward_cannot_run():
+    net = _Net()
+    c = census(net)  # default input_ids do not fit this model: heuristic, recorded
+    assert c.activation_source == "heuristic" and c.notes
+    assert c.blocks[0].activation_bytes_per_token == (16 + 64 + 64 + 16) * 4
+
+
+def test_bad_blocks_and_models():
+    m = _tiny_qwen()
+    with pytest.raises(PlanConfigError, match="blocks="):
+        census(m, "model.nope")
+    with pytest.raises(PlanConfigError, match="blocks="):
+        census(m, "model.norm")
+    with pytest.raises(PlanConfigError, match="blocks="):
+        census(nn.Linear(3, 3))
+    with pytest.raises(PlanConfigError, match="model="):
+        census("not a model")
+    with pytest.raises(PlanConfigError, match="activation_bytes_per_token="):
+        census(m, activation_bytes_per_token=-5)
+
+
+def test_census_dict_round_trip(qwen1_5b_census):
+    assert ModelCensus.from_dict(qwen1_5b_census.to_dict()) == qwen1_5b_census
+
+
+def test_peft_lora_model_on_meta():
+    peft = pytest.importorskip("peft")
+    m = _tiny_qwen()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=8, target_modules=targets))
+    c = census(pm)
+    assert c.stack_name == "base_model.model.model.layers" and len(c.blocks) == 3
+    h, inter, kv = 64, 128, 32
+    lora = 8 * ((h + h) * 2 + (h + kv) * 2 + 2 * (h + inter) + (inter + h))
+    assert c.blocks[0].trainable_params == lora and c.outside_trainable_params == 0
+    assert c.blocks[0].quantizable_params == h * h * 2 + 2 * h * kv + 3 * h * inter
+    assert c.activation_source == "meta-trace"
+    name = "base_model.model.model.layers.2.mlp.down_proj.lora_A.default.weight"
+    assert c.param_to_block[name] == 2

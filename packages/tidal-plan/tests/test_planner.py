@@ -1,0 +1,299 @@
+import itertools
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tidal_plan import HardwareProfile, InfeasiblePlan, Plan, PlanConfig, PlanConfigError, plan
+from tidal_plan.units import GiB
+
+
+def _show(title: str, p: Plan) -> None:
+    print(f"\n=== {title} ===\n{p.explain()}")
+
+
+def _check_invariants(p: Plan, budget: int, host: int) -> None:
+    assert p.tiers["vram"] <= budget
+    assert p.tiers["pinned_host"] + p.tiers["pageable_host"] <= host
+    assert p.prediction.step_s >= p.prediction.compute_s > 0
+    assert Plan.from_json(p.to_json()) == p
+    json.loads(p.to_json())
+
+
+def _h200(budget: str, ram: int) -> HardwareProfile:
+    return HardwareProfile.synthetic(vram_budget_bytes=budget, host_ram_bytes=ram)
+
+
+# ---- acceptance: Qwen2.5-14B shape with LoRA -------------------------------------------------------------
+
+
+def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
+    prof = _h200("24GiB", 64 * 10**9)
+    p = plan(qwen14b_lora_census, prof, PlanConfig())
+    _show("Qwen2.5-14B LoRA r=16, 24 GiB, 64 GB RAM, exact", p)
+    _check_invariants(p, 24 * GiB, 64 * 10**9)
+    assert p.training == "lora" and p.quantize is None
+    # 27.6 GiB of weights cannot all stay: some blocks stream, the rest stay resident.
+    assert 0 < len(p.streamed_blocks) < 48
+    assert all(b.storage == "exact" for b in p.blocks)
+    assert {b.optimizer for b in p.blocks} <= {"gpu", "host"}
+    assert p.optimizer.moment_dtype == "fp32"
+
+    q = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw))
+    _show("Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed'", q)
+    _check_invariants(q, 24 * GiB, 64 * 10**9)
+    assert q.quantize == "int8" and not q.streamed_blocks  # int8 keeps every block resident
+    assert q.prediction.step_s < 0.9 * p.prediction.step_s
+
+    m = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, prefer="memory"))
+    assert m.quantize is None  # exact fits: "auto" quantizes only when it must
+
+
+def test_acceptance_qwen14b_lora_4gib(qwen14b_lora_census, bpw):
+    prof = _h200("4GiB", 64 * 10**9)
+    with pytest.raises(InfeasiblePlan) as e:
+        plan(qwen14b_lora_census, prof, PlanConfig())
+    print(f"\n=== Qwen2.5-14B LoRA, 4 GiB, exact, 4096 tokens: refused ===\n{e.value}")
+    assert e.value.resource == "vram" and e.value.needed_bytes > e.value.available_bytes == 4 * GiB
+    assert "quantize='auto'" in str(e.value)
+
+    with pytest.raises(InfeasiblePlan) as e:
+        plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw))
+    print(f"\n=== Qwen2.5-14B LoRA, 4 GiB, quantize='auto', 4096 tokens: refused ===\n{e.value}")
+    assert "batch_tokens <=" in str(e.value)
+
+    p = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, batch_tokens=1024))
+    _show("Qwen2.5-14B LoRA, 4 GiB, quantize='auto', 1024 tokens", p)
+    _check_invariants(p, 4 * GiB, 64 * 10**9)
+    assert p.quantize in ("int8", "nf4") and p.streamed_blocks
+    assert p.prediction.bound == "pcie"
+
+
+# ---- acceptance: Llama-3-8B shape, full fine-tune ---------------------------------------------------------
+
+
+def test_acceptance_llama8b_full_24gib_128gb(llama8b_census):
+    p = plan(llama8b_census, _h200("24GiB", 128 * 10**9), PlanConfig())
+    _show("Llama-3-8B full fine-tune, 24 GiB, 128 GB RAM", p)
+    _check_invariants(p, 24 * GiB, 128 * 10**9)
+    assert p.training == "full" and p.optimizer.placement in ("host", "split")
+    assert p.optimizer.host_state_bytes > 50 * GiB and p.streamed_blocks
+    assert p.prediction.bound == "host_adamw"
+
+
+def test_acceptance_llama8b_full_24gib_32gb_refused(llama8b_census):
+    with pytest.raises(InfeasiblePlan) as e:
+        plan(llama8b_census, _h200("24GiB", 32 * 10**9), PlanConfig())
+    print(f"\n=== Llama-3-8B full fine-tune, 24 GiB, 32 GB RAM: refused ===\n{e.value}")
+    assert e.value.resource == "host_ram"
+    assert e.value.needed_bytes > 60 * GiB and e.value.available_bytes < 32 * 10**9
+    assert "LoRA" in str(e.value) and "master_weights=False" in str(e.value)
+
+
+def test_moments_fall_back_to_bf16_only_when_fp32_does_not_fit(llama8b_census):
+    prof = _h200("24GiB", 96 * 10**9)
+    p = plan(llama8b_census, prof, PlanConfig())
+    assert p.optimizer.moment_dtype == "bf16" and any("bf16" in n for n in p.notes)
+    with pytest.raises(InfeasiblePlan) as e:
+        plan(llama8b_census, prof, PlanConfig(moment_dtype="fp32"))
+    print(f"\n=== Llama-3-8B full, 96 GB RAM, moment_dtype='fp32': refused ===\n{e.value}")
+    assert "moment_dtype='bf16'" in str(e.value) and "fp32 moments" in str(e.value)
+
+
+# ---- acceptance: a model that fits entirely ----------------------------------------------------------------
+
+
+def test_acceptance_fits_entirely_plain_gpu_adamw(qwen1_5b_census):
+    p = plan(qwen1_5b_census, _h200("80GiB", 128 * 10**9), PlanConfig())
+    _show("Qwen2.5-1.5B full fine-tune, 80 GiB: fits", p)
+    _check_invariants(p, 80 * GiB, 128 * 10**9)
+    assert p.optimizer.placement == "gpu" and p.optimizer.host_state_bytes == 0
+    assert all(b.weights == "resident" and b.activations == "keep" and b.optimizer == "gpu" for b in p.blocks)
+    assert p.tiers["pinned_host"] == p.tiers["pageable_host"] == 0
+    assert p.prediction.bound == "compute" and p.prediction.step_s == p.prediction.compute_s
+    # compute = 6 x matmul weights x tokens / rate (the tied LM head counted once, as a matmul)
+    c = qwen1_5b_census
+    mm = sum(b.matmul_params for b in c.blocks) + c.outside_matmul_params
+    assert p.prediction.compute_s == pytest.approx(6 * mm * 4096 / 780e12, rel=1e-12)
+
+
+def test_full_finetune_of_1_5b_at_24gib_splits_the_optimizer(qwen1_5b_census):
+    p = plan(qwen1_5b_census, _h200("24GiB", 128 * 10**9), PlanConfig())
+    _show("Qwen2.5-1.5B full fine-tune, 24 GiB", p)
+    _check_invariants(p, 24 * GiB, 128 * 10**9)
+    assert p.optimizer.placement == "split"
+    assert (
+        0 < len(p.optimizer.gpu_blocks) < 28
+        and p.optimizer.gpu_state_bytes > 0 < p.optimizer.host_state_bytes
+    )
+
+
+# ---- the search and the cost model ------------------------------------------------------------------------
+
+
+def test_more_budget_never_predicts_a_slower_step(qwen14b_lora_census):
+    steps = []
+    for gib in (12, 16, 24, 32, 48, 80):
+        p = plan(qwen14b_lora_census, _h200(f"{gib}GiB", 128 * 10**9), PlanConfig())
+        steps.append(p.prediction.step_s)
+        assert p.tiers["vram"] <= gib * GiB
+    assert all(b <= a * 1.001 for a, b in itertools.pairwise(steps)), steps
+    assert steps[-1] < steps[0]
+
+
+def test_lora_compute_is_4_frozen_plus_6_trainable(qwen14b_lora_census):
+    p = plan(qwen14b_lora_census, _h200("80GiB", 128 * 10**9), PlanConfig())
+    c = qwen14b_lora_census
+    frozen = sum(b.quantizable_params for b in c.blocks) + c.outside_quantizable_params
+    trainable = sum(b.matmul_params - b.quantizable_params for b in c.blocks)
+    recompute = sum(b.matmul_params for b in c.blocks if p.blocks[b.index].activations == "recompute")
+    expected = (4 * frozen + 6 * trainable + 2 * recompute) * 4096 / 780e12
+    assert p.prediction.compute_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_forced_policies(qwen14b_lora_census):
+    prof = _h200("24GiB", 64 * 10**9)
+    p = plan(qwen14b_lora_census, prof, PlanConfig(param_offload=True, recompute=True, offload=False))
+    assert len(p.streamed_blocks) == 48 and all(b.activations == "recompute" for b in p.blocks)
+    assert p.optimizer.placement == "gpu"
+    with pytest.raises(InfeasiblePlan, match="activation_offload=False") as e:
+        plan(qwen14b_lora_census, prof, PlanConfig(activation_offload=True, param_offload=True))
+    assert e.value.resource == "host_ram"
+    big = _h200("24GiB", 128 * 10**9)
+    p = plan(
+        qwen14b_lora_census, big, PlanConfig(param_offload=list(range(0, 48, 2)), activation_offload=True)
+    )
+    assert p.streamed_blocks == tuple(range(0, 48, 2)) and all(b.activations == "offload" for b in p.blocks)
+    p = plan(qwen14b_lora_census, prof, PlanConfig(param_offload=0.75, recompute=False))
+    assert p.streamed_blocks == tuple(range(36)) and all(b.activations != "recompute" for b in p.blocks)
+    p = plan(qwen14b_lora_census, prof, PlanConfig(offload=True))
+    assert p.optimizer.placement == "host" and p.optimizer.gpu_state_bytes == 0
+    with pytest.raises(InfeasiblePlan, match="VRAM"):
+        plan(qwen14b_lora_census, prof, PlanConfig(param_offload=False))
+
+
+def test_small_pagelock_limit_spills_to_pageable(qwen14b_lora_census):
+    prof = HardwareProfile.synthetic(
+        vram_budget_bytes="24GiB", host_ram_bytes=64 * 10**9, pagelock_limit_bytes=GiB
+    )
+    p = plan(qwen14b_lora_census, prof, PlanConfig())
+    assert p.tiers["pinned_host"] <= GiB
+    assert any("page-lock" in n for n in p.notes)
+
+
+def test_fp8_needs_the_cores_and_nvfp4_is_noted(qwen14b_lora_census, bpw):
+    prof = _h200("24GiB", 64 * 10**9)
+    p = plan(qwen14b_lora_census, prof, PlanConfig(quantize="fp8", bytes_per_weight=bpw))
+    assert p.quantize == "fp8" and all(b.storage == "fp8" for b in p.blocks)
+    old = HardwareProfile.synthetic(
+        vram_budget_bytes="24GiB", compute_capability=(8, 0), has_fp8_tensor_cores=False
+    )
+    with pytest.raises(PlanConfigError, match="quantize='fp8'"):
+        plan(qwen14b_lora_census, old, PlanConfig(quantize="fp8", bytes_per_weight=bpw))
+    n = plan(qwen14b_lora_census, prof, PlanConfig(quantize="nvfp4", bytes_per_weight=bpw))
+    assert any("FP4 tensor cores" in x for x in n.notes)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+
+
+def test_bad_plans_give_clear_errors(qwen14b_lora_census, llama8b_census, bpw):
+    prof = _h200("24GiB", 64 * 10**9)
+    with pytest.raises(PlanConfigError, match="vram_budget="):
+        plan(qwen14b_lora_census, prof, PlanConfig(vram_budget="200GiB"))
+    with pytest.raises(PlanConfigError, match="headroom_bytes="):
+        plan(qwen14b_lora_census, prof, PlanConfig(vram_budget="1GiB", headroom_bytes="2GiB"))
+    with pytest.raises(PlanConfigError, match="quantize="):
+        plan(llama8b_census, prof, PlanConfig(quantize="nf4", bytes_per_weight=bpw))
+    with pytest.raises(PlanConfigError, match="training="):
+        plan(llama8b_census, prof, PlanConfig(training="lora"))
+    with pytest.raises(PlanConfigError, match="param_offload="):
+        plan(qwen14b_lora_census, prof, PlanConfig(param_offload=[99]))
+    with pytest.raises(PlanConfigError, match="config="):
+        plan(qwen14b_lora_census, prof, {"vram_budget": "24GiB"})
+    with pytest.raises(PlanConfigError, match="census="):
+        plan("model", prof)
+    with pytest.raises(PlanConfigError, match="profile="):
+        plan(qwen14b_lora_census, "H200")
+
+
+def test_no_trainable_parameters_is_an_error():
+    import torch
+    from torch import nn
+
+    from tidal_plan import census
+
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    net.requires_grad_(False)
+    c = census(net, example_inputs={"input": torch.randn(2, 8)})
+    with pytest.raises(PlanConfigError, match="model="):
+        plan(c, _h200("24GiB", 64 * 10**9))
+
+
+def test_a_72b_shape_is_planned_without_memory(bpw, build_meta_lm):
+    from tidal_plan import census
+
+    qwen72b = dict(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    )
+    c = census(build_meta_lm("qwen2", lora_rank=8, **qwen72b))
+    assert 72e9 < c.frozen_params < 73e9 and len(c.blocks) == 80
+    p = plan(
+        c, _h200("80GiB", 256 * 10**9), PlanConfig(quantize="auto", bytes_per_weight=bpw, batch_tokens=2048)
+    )
+    _show("Qwen2.5-72B LoRA r=8, 80 GiB, 256 GB RAM, quantize='auto'", p)
+    _check_invariants(p, 80 * GiB, 256 * 10**9)
+    # exact storage streams 42 of 80 blocks over PCIe; under prefer="speed" a smaller format that predicts a
+    # step at least 10 % shorter wins.
+    exact = plan(c, _h200("80GiB", 256 * 10**9), PlanConfig(batch_tokens=2048))
+    assert exact.streamed_blocks and exact.prediction.bound == "pcie"
+    assert p.quantize in ("int8", "nf4") and p.prediction.step_s < 0.9 * exact.prediction.step_s
+    assert any("prefer='speed'" in n for n in p.notes)
+
+
+def test_zero_budget_is_an_error(qwen1_5b_census):
+    prof = HardwareProfile.synthetic(vram_budget_bytes=0)
+    with pytest.raises(PlanConfigError, match="vram_budget="):
+        plan(qwen1_5b_census, prof)
+
+
+def test_pcie_arithmetic_of_an_all_streamed_plan(qwen14b_lora_census):
+    c = qwen14b_lora_census
+    prof = _h200("24GiB", 64 * 10**9)
+    p = plan(c, prof, PlanConfig(param_offload=True, recompute=True, offload=False))
+    # GPU optimizer: adapters stay on the GPU, only the frozen base streams, in forward and again in backward.
+    streamed = sum(b.frozen_bytes + b.buffer_bytes for b in c.blocks)
+    assert p.tiers["pinned_host"] == streamed
+    assert p.prediction.transfer_s == pytest.approx(2 * streamed / 55.4e9, rel=1e-12)
+    first = c.blocks[0].frozen_bytes / 55.4e9  # the first fetch cannot overlap anything
+    exposed = max(0.0, p.prediction.transfer_s - p.prediction.compute_s) + first
+    assert p.prediction.exposed_transfer_s == pytest.approx(exposed, rel=1e-12)
+    assert p.prediction.bound == "pcie" and p.max_inflight_bytes == 2 * c.blocks[0].frozen_bytes
+
+
+# The census fixture is immutable (cached once), so sharing it across examples is safe.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    budget_gib=st.floats(1.0, 100.0),
+    ram_gb=st.integers(8, 512),
+    tokens=st.sampled_from([256, 1024, 4096, 16384]),
+    depth=st.integers(1, 4),
+    prefer=st.sampled_from(["memory", "speed"]),
+)
+def test_any_plan_fits_or_is_refused_with_numbers(qwen1_5b_census, budget_gib, ram_gb, tokens, depth, prefer):
+    c = qwen1_5b_census
+    budget = int(budget_gib * GiB)
+    cfg = PlanConfig(batch_tokens=tokens, prefetch_depth=depth, prefer=prefer)
+    try:
+        p = plan(c, _h200(budget, ram_gb * 10**9), cfg)
+    except InfeasiblePlan as e:
+        assert e.needed_bytes > e.available_bytes > 0 and e.suggestions
+        return
+    _check_invariants(p, budget, ram_gb * 10**9)
+    assert p.prefetch_depth == depth

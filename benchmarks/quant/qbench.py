@@ -1,4 +1,4 @@
-"""Timing helpers and cases shared by ``test_bench_quant.py`` (pytest-benchmark) and ``table.py``.
+"""Timing functions and cases shared by ``test_bench_quant.py`` (pytest-benchmark) and ``table.py``.
 
 All timings are CUDA-event medians after warm-up, bracketed by device synchronizations; inputs are
 random (never zeros); every quantized layer is checked against its bf16 reference before it is timed.
@@ -121,17 +121,34 @@ def check_layer(kind: str, layer: torch.nn.Module, ref: torch.nn.Module, x: torc
     return db
 
 
-def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[str, float]:
-    """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included)."""
+PATH_ABBREV = {"fp8_scaled_mm": "fp8 TC", "fused_dequant_matmul": "fused", "dequant_matmul": "dq+mm"}
+
+
+def forward_path(layer: torch.nn.Module, x: torch.Tensor) -> str:
+    """Which tidal compute path ``layer``'s forward takes on ``x`` ("" for non-tidal layers)."""
+    if not isinstance(layer, tq.QuantLinear):
+        return ""
+    tq.reset_path_counts()
+    with torch.no_grad():
+        layer(x)
+    return ",".join(PATH_ABBREV[p] for p in tq.path_counts())
+
+
+def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[str, float | str]:
+    """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included).
+
+    Also ``"<kind>:path"``: the forward compute path tidal chose for that kind.
+    """
     torch.manual_seed(0)
     weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
     ref = make_layer("bf16", in_f, out_f, weight)
-    out = {"bf16": cuda_ms(fwd_bwd(ref, x, g))}
+    out: dict[str, float | str] = {"bf16": cuda_ms(fwd_bwd(ref, x, g))}
     for kind in kinds:
         layer = make_layer(kind, in_f, out_f, weight)
         check_layer(kind, layer, ref, x.detach())
         out[kind] = cuda_ms(fwd_bwd(layer, x, g))
+        out[f"{kind}:path"] = forward_path(layer, x.detach())
         del layer
     return out

@@ -45,12 +45,15 @@ def linear_table(kinds: list[str]) -> list[str]:
     head = "| shape | tokens | bf16 ms | " + " | ".join(f"{k} ms (×bf16)" for k in kinds)
     has_bnb = "bnb-nf4" in kinds
     head += " | nf4 / bnb |" if has_bnb else " |"
-    rows = ["Forward + input gradient, frozen weight", "", head, "|" + "---|" * (head.count("|") - 1)]
+    title = "Forward + input gradient, frozen weight (ms; ratio to bf16, tidal's forward path)"
+    rows = [title, "", head, "|" + "---|" * (head.count("|") - 1)]
     for in_f, out_f in qbench.LINEAR_SHAPES:
         for tokens in qbench.TOKENS:
             r = qbench.linear_case(in_f, out_f, tokens, kinds)
             cells = [f"{in_f}→{out_f}", str(tokens), f"{r['bf16']:.3f}"]
-            cells += [f"{r[k]:.3f} ({r[k] / r['bf16']:.2f})" for k in kinds]
+            for k in kinds:
+                path = f", {r[k + ':path']}" if r[k + ":path"] else ""
+                cells.append(f"{r[k]:.3f} ({r[k] / r['bf16']:.2f}{path})")
             if has_bnb:
                 cells.append(f"{r['nf4'] / r['bnb-nf4']:.2f}")
             rows.append("| " + " | ".join(cells) + " |")

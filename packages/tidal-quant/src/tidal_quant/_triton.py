@@ -1,0 +1,374 @@
+"""Triton kernels (CUDA). Imported lazily by :mod:`tidal_quant.ops`; never at ``import tidal_quant``.
+
+Each kernel reproduces :mod:`tidal_quant.reference` exactly: divisions use ``div_rn`` (IEEE, as torch),
+round-half-even uses the 1.5·2²³ trick (exact for |y| < 2²²; no FMA can form around an add), dequantize
+is one fp32 multiply per element, and e4m3 scales are decoded bit by bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal_quant.reference import NF4_ABSMAX_FLOOR, e2m1_table, nf4_code
+
+_RNE_MAGIC = 12582912.0  # 1.5 * 2**23
+FMT_INT8, FMT_NF4, FMT_NVFP4 = 0, 1, 2
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def table(name: str, device: torch.device) -> torch.Tensor:
+    """The 16-entry fp32 value table of ``name`` ("nf4" or "e2m1") on ``device``, cached."""
+    key = (name, device)
+    if key not in _TABLES:
+        _TABLES[key] = (nf4_code if name == "nf4" else e2m1_table)(device)
+    return _TABLES[key]
+
+
+@triton.jit
+def _decode_e4m3(b):
+    """uint8 e4m3fn bits → fp32, exactly (finite codes only)."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2**-9
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def _nf4_code_of(s):
+    """Count of NF4 midpoints strictly below ``s`` (fp32 constants equal bitsandbytes' tree)."""
+    c = (s > -0.8480964004993439).to(tl.int32)
+    c += (s > -0.6106329262256622).to(tl.int32)
+    c += (s > -0.4599952697753906).to(tl.int32)
+    c += (s > -0.33967943489551544).to(tl.int32)
+    c += (s > -0.23460740596055984).to(tl.int32)
+    c += (s > -0.13791173323988914).to(tl.int32)
+    c += (s > -0.045525018125772476).to(tl.int32)
+    c += (s > 0.03979014977812767).to(tl.int32)
+    c += (s > 0.1202552504837513).to(tl.int32)
+    c += (s > 0.2035212516784668).to(tl.int32)
+    c += (s > 0.2920137718319893).to(tl.int32)
+    c += (s > 0.3893125355243683).to(tl.int32)
+    c += (s > 0.5016634166240692).to(tl.int32)
+    c += (s > 0.6427869200706482).to(tl.int32)
+    c += (s > 0.8614784181118011).to(tl.int32)
+    return c
+
+
+@triton.jit
+def _e2m1_code_of(y):
+    a = tl.abs(y)
+    c = (a > 0.25).to(tl.int32)
+    c += (a >= 0.75).to(tl.int32)
+    c += (a > 1.25).to(tl.int32)
+    c += (a >= 1.75).to(tl.int32)
+    c += (a > 2.5).to(tl.int32)
+    c += (a >= 3.5).to(tl.int32)
+    c += (a > 5.0).to(tl.int32)
+    return c | ((y < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _quant_blocks_kernel(
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    numel,
+    nblocks,
+    BS: tl.constexpr,
+    BSP: tl.constexpr,
+    ROWS: tl.constexpr,
+    NF4: tl.constexpr,
+):
+    # one program: ROWS blocks of BS flattened elements (BSP = next power of two ≥ BS)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [R]
+    cols = tl.arange(0, BSP)  # [BSP]
+    offs = rows[:, None] * BS + cols[None, :]  # [R, BSP]
+    valid = (cols[None, :] < BS) & (offs < numel) & (rows[:, None] < nblocks)
+    x = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    if NF4:
+        inv = tl.math.div_rn(
+            tl.full(amax.shape, 1.0, tl.float32), tl.maximum(amax, tl.full(amax.shape, NF4_FLOOR, tl.float32))
+        )
+        inv = tl.where(amax == 0.0, 0.0, inv)  # an all-zero block scales to 0 (as 0 * 1e38 does)
+        s = tl.minimum(tl.maximum(x * inv[:, None], -1.0), 1.0)
+        c = _nf4_code_of(s)  # [R, BSP]
+        hi, lo = tl.split(tl.reshape(c, (ROWS, BSP // 2, 2)))  # even / odd elements
+        byte = ((hi << 4) | lo).to(tl.uint8)  # [R, BSP/2]
+        bcols = tl.arange(0, BSP // 2)
+        boffs = rows[:, None] * (BS // 2) + bcols[None, :]
+        bvalid = (bcols[None, :] < BS // 2) & (boffs < (numel + 1) // 2) & (rows[:, None] < nblocks)
+        tl.store(q_ptr + boffs, byte, mask=bvalid)
+        tl.store(s_ptr + rows, amax, mask=rows < nblocks)
+    else:
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        safe = tl.where(scale == 0.0, 1.0, scale)
+        y = tl.math.div_rn(x, safe[:, None] + tl.zeros_like(x))
+        r = (y + 12582912.0) - 12582912.0  # round half to even (|y| <= 127.x)
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        tl.store(q_ptr + offs, r.to(tl.int8), mask=valid)
+        tl.store(s_ptr + rows, scale, mask=rows < nblocks)
+
+
+NF4_FLOOR: tl.constexpr = tl.constexpr(NF4_ABSMAX_FLOOR)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def quantize_blocks(w: torch.Tensor, block_size: int, nf4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 (codes shaped like ``w``) or NF4 (packed bytes) codes plus fp32 block scales."""
+    w = w.contiguous()
+    numel = w.numel()
+    nb = triton.cdiv(numel, block_size)
+    if nf4:
+        q = torch.empty((numel + 1) // 2, dtype=torch.uint8, device=w.device)
+    else:
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    s = torch.empty(nb, dtype=torch.float32, device=w.device)
+    bsp = _pow2(block_size)
+    rows = max(1, 4096 // bsp)
+    _quant_blocks_kernel[(triton.cdiv(nb, rows),)](w, q, s, numel, nb, block_size, bsp, rows, nf4)
+    return q, s
+
+
+@triton.jit
+def _nvfp4_quant_kernel(w_ptr, eff_ptr, q_ptr, n_bytes, BLOCK: tl.constexpr):
+    # one program: BLOCK output bytes = 2*BLOCK elements; eff scale per 16 elements (8 bytes)
+    b = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # [B]
+    m = b < n_bytes
+    x0 = tl.load(w_ptr + 2 * b, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(w_ptr + 2 * b + 1, mask=m, other=0.0).to(tl.float32)
+    eff = tl.load(eff_ptr + b // 8, mask=m, other=1.0)
+    safe = tl.where(eff == 0.0, 1.0, eff)
+    c0 = _e2m1_code_of(tl.math.div_rn(x0, safe))
+    c1 = _e2m1_code_of(tl.math.div_rn(x1, safe))
+    tl.store(q_ptr + b, (c0 | (c1 << 4)).to(tl.uint8), mask=m)
+
+
+def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """Packed NVFP4 codes of ``w`` ``[N, K]`` given fp32 effective block scales ``[N, K/16]``."""
+    w = w.contiguous()
+    q = torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device)
+    n = q.numel()
+    _nvfp4_quant_kernel[(triton.cdiv(n, 1024),)](w, eff.contiguous(), q, n, 1024)
+    return q
+
+
+@triton.jit
+def _dequant_kernel(
+    d_ptr,
+    s_ptr,
+    g_ptr,
+    tab_ptr,
+    out_ptr,
+    n_units,
+    numel,
+    FMT: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program: BLOCK storage units (int8: elements; nf4/nvfp4: bytes of two elements)
+    u = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # [B]
+    m = u < n_units
+    if FMT == 0:
+        q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
+        s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
+        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
+    else:
+        byte = tl.load(d_ptr + u, mask=m, other=0).to(tl.int32)
+        hi = byte >> 4
+        lo = byte & 15
+        if FMT == 1:  # nf4: high nibble = even element, fp32 absmax per BS elements
+            s = tl.load(s_ptr + (2 * u) // BS, mask=m, other=0.0)
+            v0 = tl.load(tab_ptr + hi) * s
+            v1 = tl.load(tab_ptr + lo) * s
+        else:  # nvfp4: low nibble = even element, e4m3 scale per 16 elements times the global scale
+            g = tl.load(g_ptr)
+            s = _decode_e4m3(tl.load(s_ptr + u // 8, mask=m, other=0)) * g
+            v0 = tl.load(tab_ptr + lo) * s
+            v1 = tl.load(tab_ptr + hi) * s
+        v = tl.reshape(tl.join(v0, v1), (2 * BLOCK,))  # interleave [B, 2] → [2B]
+        e = (tl.program_id(0) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)).to(tl.int64)
+        tl.store(out_ptr + e, v.to(out_ptr.dtype.element_ty), mask=e < numel)
+
+
+def dequantize(
+    fmt_id: int,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    shape: tuple[int, int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantize int8 / NF4 / NVFP4 ``data`` to ``dtype`` ``shape``."""
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    numel = shape[0] * shape[1]
+    n_units = data.numel()
+    tab = table("e2m1" if fmt_id == FMT_NVFP4 else "nf4", data.device)
+    g = global_scale if global_scale is not None else scales
+    sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    block = 2048
+    _dequant_kernel[(triton.cdiv(n_units, block),)](
+        data, sc, g, tab, out, n_units, numel, fmt_id, block_size, block
+    )
+    return out
+
+
+@triton.jit
+def _scaled(v, s_ptr, g_ptr, rn, k0, mn, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, SMODE: tl.constexpr):  # fmt: skip
+    """``v [BN, BK]`` (code values of rows ``rn``, columns ``k0 + [0, BK)``) times their block scales.
+
+    SMODE 0: one scale per element (any block size); 1: one scale per row of the tile (BK divides BS);
+    2: BK / BS scales per row, broadcast by reshape (BS a power of two dividing BK).
+    """
+    if SMODE == 1:
+        s = tl.load(s_ptr + (rn * K + k0) // BS, mask=mn, other=0)  # [BN]
+        if FMT == 2:
+            s = _decode_e4m3(s) * tl.load(g_ptr)
+        return v * s[:, None]
+    elif SMODE == 2:
+        sb = (rn[:, None] * K + k0) // BS + tl.arange(0, BK // BS)[None, :]  # [BN, BK/BS]
+        s = tl.load(s_ptr + sb, mask=mn[:, None], other=0)
+        if FMT == 2:
+            s = _decode_e4m3(s) * tl.load(g_ptr)
+        return tl.reshape(tl.reshape(v, (BN, BK // BS, BS)) * s[:, :, None], (BN, BK))
+    else:
+        eidx = rn[:, None] * K + k0 + tl.arange(0, BK)[None, :]  # [BN, BK] flat element index
+        s = tl.load(s_ptr + eidx // BS, mask=mn[:, None], other=0)
+        if FMT == 2:
+            s = _decode_e4m3(s) * tl.load(g_ptr)
+        return v * s
+
+
+@triton.jit
+def _qmm_kernel(
+    x_ptr, d_ptr, s_ptr, g_ptr, tab_ptr, y_ptr, M, N, stride_xm, K: tl.constexpr,
+    FMT: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SMODE: tl.constexpr,
+):  # fmt: skip
+    # y[M, N] = x[M, K] @ dequant(W)[N, K]^T; K % BK == 0 and K % BS == 0 (blocks stay inside rows)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    rm = pid_m * BM + tl.arange(0, BM)  # [BM]
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
+    mm = rm < M
+    mn = rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(0, K // BK):
+        k0 = kt * BK
+        rk = k0 + tl.arange(0, BK)  # [BK]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None], other=0.0)
+        if FMT == 0:
+            v = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
+        else:
+            rb = k0 // 2 + tl.arange(0, BK // 2)
+            byte = tl.load(d_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=mn[:, None], other=0)
+            byte = byte.to(tl.int32)  # [BN, BK/2]
+            hi = tl.load(tab_ptr + (byte >> 4))
+            lo = tl.load(tab_ptr + (byte & 15))
+            if FMT == 1:  # nf4: high nibble first
+                v = tl.reshape(tl.join(hi, lo), (BN, BK))
+            else:  # nvfp4: low nibble first
+                v = tl.reshape(tl.join(lo, hi), (BN, BK))
+        w = _scaled(v, s_ptr, g_ptr, rn, k0, mn, K, FMT, BS, BN, BK, SMODE)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    y = acc.to(y_ptr.dtype.element_ty)
+    rn32 = pid_n * BN + tl.arange(0, BN)
+    tl.store(y_ptr + rm[:, None] * N + rn32[None, :], y, mask=mm[:, None] & (rn32[None, :] < N))
+
+
+def scale_mode(block_size: int, bk: int) -> int:
+    """How :func:`_qmm_kernel` fetches scales for a block size and K tile (see ``_scaled``)."""
+    pow2 = block_size & (block_size - 1) == 0
+    if pow2 and block_size % bk == 0:
+        return 1
+    if pow2 and bk % block_size == 0:
+        return 2
+    return 0
+
+
+def fused_matmul(
+    fmt_id: int,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    shape: tuple[int, int],
+    block_size: int,
+    config: tuple[int, ...],
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(W)^T`` in one kernel; ``config = (BM, BN, BK[, num_warps, num_stages])``."""
+    m, k = x.shape
+    n = shape[0]
+    bm, bn, bk = config[:3]
+    launch = {"num_warps": config[3], "num_stages": config[4]} if len(config) == 5 else {}
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tab = table("e2m1" if fmt_id == FMT_NVFP4 else "nf4", x.device)
+    g = global_scale if global_scale is not None else scales
+    sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    smode = scale_mode(block_size, bk)
+    _qmm_kernel[grid](
+        x, data, sc, g, tab, y, m, n, x.stride(0), k, fmt_id, block_size, bm, bn, bk, smode, **launch
+    )
+    return y
+
+
+@triton.jit
+def _rows_fp8_kernel(
+    x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    # one program per row: pass 1 finds the row's absmax (of x * c), pass 2 writes e4m3 codes
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for kt in range(0, (K + BLOCK - 1) // BLOCK):
+        offs = kt * BLOCK + tl.arange(0, BLOCK)
+        m = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_C:
+            x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x))
+    # the scale, computed identically in every lane (a vector keeps div_rn's operands fp32 tensors)
+    scale = tl.math.div_rn(
+        tl.zeros((BLOCK,), tl.float32) + tl.max(amax, 0), tl.full((BLOCK,), 448.0, tl.float32)
+    )
+    scale = tl.maximum(scale, tl.full((BLOCK,), 1e-12, tl.float32))
+    first = tl.arange(0, BLOCK) == 0
+    tl.store(s_ptr + row + tl.arange(0, BLOCK), scale, mask=first)
+    for kt in range(0, (K + BLOCK - 1) // BLOCK):
+        offs = kt * BLOCK + tl.arange(0, BLOCK)
+        m = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_C:
+            x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def quantize_rows_fp8(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes of ``x * col_scale`` (as :func:`tidal_quant.reference.quantize_rows_fp8`).
+
+    Returns (codes ``[T, K]`` float8_e4m3fn, fp32 scales ``[T, 1]``); one kernel, one read of ``x``
+    from HBM (the second pass mostly hits L2).
+    """
+    x = x.contiguous()
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    c = col_scale.contiguous() if col_scale is not None else s
+    block = min(4096, _pow2(k))
+    _rows_fp8_kernel[(t,)](
+        x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=8 if block >= 2048 else 4
+    )
+    return q, s

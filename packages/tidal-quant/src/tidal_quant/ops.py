@@ -1,0 +1,408 @@
+"""``torch.library`` custom ops (``tidal_quant::*``): a reference kernel for every device, Triton on CUDA.
+
+[Note: fp8 bytes] float8 tensors cross the op boundary as uint8 views (``as_bytes``): the ops' schema
+checks compare inputs with arithmetic that float8 lacks on the CPU. ``_f8`` views them back.
+
+Fake (meta) implementations make them traceable by ``torch.compile``. Triton is imported on first CUDA
+use only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.library import custom_op
+
+from tidal_quant import _log
+from tidal_quant import reference as ref
+from tidal_quant.formats import NVFP4_BLOCK, n_blocks
+
+_FMT_ID = {"int8": 0, "nf4": 1, "nvfp4": 2}
+FUSED_MAX_TOKENS = 4096
+# fused dequant-matmul candidates (BM, BN, BK, num_warps, num_stages) by token bucket; each shape keeps
+# whichever of them, or dequantize + cuBLAS, measured fastest
+_FEW_TOKEN_TILES = ((32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3))  # (BN, BK, warps, stages); BM by bucket
+_MANY_TOKEN_TILES = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))
+_choice_cache: dict[tuple, tuple[str, tuple[int, ...] | None]] = {}
+
+
+def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A uint8 view of a float8 tensor (others unchanged): how fp8 data and e4m3 scales enter the ops."""
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
+
+
+def _f8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def _tr():
+    from tidal_quant import _triton
+
+    return _triton
+
+
+# ------------------------------------------------------------------------------------- quantize
+@custom_op("tidal_quant::quantize_blockwise", mutates_args=())
+def quantize_blockwise(w: torch.Tensor, block_size: int, nf4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes (shaped like ``w``) or packed NF4 bytes, plus fp32 block scales."""
+    return ref.quantize_nf4(w, block_size) if nf4 else ref.quantize_int8(w, block_size)
+
+
+@quantize_blockwise.register_kernel("cuda")
+def _(w: torch.Tensor, block_size: int, nf4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _tr().quantize_blocks(w, block_size, nf4)
+
+
+@quantize_blockwise.register_fake
+def _(w: torch.Tensor, block_size: int, nf4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    nb = n_blocks(w.numel(), block_size)
+    if nf4:
+        q = w.new_empty(((w.numel() + 1) // 2,), dtype=torch.uint8)
+    else:
+        q = w.new_empty(w.shape, dtype=torch.int8)
+    return q, w.new_empty((nb,), dtype=torch.float32)
+
+
+@custom_op("tidal_quant::quantize_nvfp4_codes", mutates_args=())
+def quantize_nvfp4_codes(w: torch.Tensor, eff_scales: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 codes ``[N, K/2]`` of ``w`` ``[N, K]`` given fp32 effective block scales ``[N, K/16]``."""
+    safe = torch.where(eff_scales == 0, torch.ones_like(eff_scales), eff_scales)
+    x = w.float().view(w.shape[0], -1, NVFP4_BLOCK)
+    codes = ref.e2m1_codes(x / safe[..., None]).view(w.shape[0], -1)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+@quantize_nvfp4_codes.register_kernel("cuda")
+def _(w: torch.Tensor, eff_scales: torch.Tensor) -> torch.Tensor:
+    return _tr().quantize_nvfp4_codes(w, eff_scales)
+
+
+@quantize_nvfp4_codes.register_fake
+def _(w: torch.Tensor, eff_scales: torch.Tensor) -> torch.Tensor:
+    return w.new_empty((w.shape[0], w.shape[1] // 2), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------------- dequantize
+def _dequant_ref(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: tuple[int, int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    if fmt == "int8":
+        return ref.dequantize_int8(data, scales, block_size, dtype)
+    if fmt == "nf4":
+        return ref.dequantize_nf4(data, scales, shape, block_size, dtype)
+    if fmt == "nvfp4":
+        assert global_scale is not None
+        return ref.dequantize_nvfp4(data, _f8(scales), global_scale, dtype)
+    assert fmt == "fp8", fmt
+    return ref.dequantize_fp8(_f8(data), scales, dtype)
+
+
+@custom_op("tidal_quant::dequantize", mutates_args=())
+def dequantize(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: Sequence[int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantize to ``dtype`` ``shape``; ``scales`` are the (already decompressed) block scales."""
+    return _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)
+
+
+@dequantize.register_kernel("cuda")
+def _(data, scales, global_scale, fmt, shape, block_size, dtype):
+    shp = (shape[0], shape[1])
+    if fmt == "fp8":
+        return ref.dequantize_fp8(_f8(data), scales, dtype)
+    return _tr().dequantize(_FMT_ID[fmt], data, scales, global_scale, shp, block_size, dtype)
+
+
+@dequantize.register_fake
+def _(data, scales, global_scale, fmt, shape, block_size, dtype):
+    return data.new_empty((shape[0], shape[1]), dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------- matmul
+@custom_op("tidal_quant::qmatmul", mutates_args=())
+def qmatmul(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: Sequence[int],
+    block_size: int,
+) -> torch.Tensor:
+    """``x [M, K] @ dequantize(W)ᵀ`` → ``[M, N]`` in ``x.dtype``."""
+    _log.record_path("dequant_matmul")
+    w = _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, x.dtype)
+    return x @ w.t()
+
+
+def _fused_ok(x: torch.Tensor, fmt: str, k: int, block_size: int, bk: int) -> bool:
+    return (
+        fmt in _FMT_ID
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and k % bk == 0
+        and k % block_size == 0
+        and x.stride(1) == 1
+    )
+
+
+def _time_ms(fn, reps: int = 5) -> float:
+    fn()  # warm-up (and Triton compile)
+    start = torch.cuda.Event(enable_timing=True)  # why: device-side timing of the candidate
+    end = torch.cuda.Event(enable_timing=True)  # why: pairs with start
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()  # why: read the elapsed time once the candidate has run
+    return start.elapsed_time(end) / reps
+
+
+def choose_kernel(
+    x: torch.Tensor, data, scales, global_scale, fmt: str, shape: tuple[int, int], block_size: int
+) -> tuple[str, tuple[int, ...] | None]:
+    """Pick fused dequant-matmul (and its tile) or dequantize + cuBLAS for this shape, by measurement.
+
+    Measured once per (format, N, K, block, power-of-two token bucket, dtype, device) and cached; more
+    than :data:`FUSED_MAX_TOKENS` tokens always use dequantize + cuBLAS.
+    """
+    m, k = x.shape
+    if m > FUSED_MAX_TOKENS or fmt not in _FMT_ID:
+        return "cublas", None
+    bucket = 1 << max(0, (m - 1).bit_length())
+    key = (fmt, shape[0], k, block_size, bucket, x.dtype, x.device)
+    hit = _choice_cache.get(key)
+    if hit is not None:
+        return hit
+    tr = _tr()
+    fid = _FMT_ID[fmt]
+    bm = 16 if bucket <= 16 else (32 if bucket <= 32 else 64)
+    tiles = [(bm, *t) for t in _FEW_TOKEN_TILES] if bucket <= 64 else list(_MANY_TOKEN_TILES)
+    gen = torch.Generator(device=x.device).manual_seed(0)  # leaves the caller's RNG stream untouched
+    probe = torch.randn(bucket, k, device=x.device, dtype=x.dtype, generator=gen)
+
+    def dense():
+        w = tr.dequantize(fid, data, scales, global_scale, shape, block_size, x.dtype)
+        return probe @ w.t()
+
+    best = ("cublas", None, _time_ms(dense))
+    for cfg in tiles:
+        if not _fused_ok(probe, fmt, k, block_size, cfg[2]):
+            continue
+        try:
+            t = _time_ms(
+                lambda cfg=cfg: tr.fused_matmul(
+                    fid, probe, data, scales, global_scale, shape, block_size, cfg
+                )
+            )
+        except Exception as e:  # e.g. a tile that needs more shared memory than this GPU has
+            _log.record("kernel_choice", f"tidal_quant: fused tile {cfg} unusable for {key}: {e!r}", level=30)
+            continue
+        if t < best[2]:
+            best = ("fused", cfg, t)
+    _choice_cache[key] = (best[0], best[1])
+    _log.record(
+        "kernel_choice",
+        f"tidal_quant: {fmt} {bucket}x{k}->{shape[0]}: {best[0]} {best[1] or ''} ({best[2] * 1e3:.1f} us)",
+        level=10,
+        key=str(key),
+    )
+    return best[0], best[1]
+
+
+@qmatmul.register_kernel("cuda")
+def _(x, data, scales, global_scale, fmt, shape, block_size):
+    shp = (shape[0], shape[1])
+    if fmt == "nvfp4" and torch.cuda.get_device_capability(x.device) >= (10, 0):
+        _log.record(
+            "degraded",
+            "tidal_quant: this GPU has FP4 tensor cores, but nvfp4 weights are dequantized to "
+            f"{x.dtype} here (no FP4 tensor-core path yet)",
+            once_key="nvfp4-no-fp4-path",
+            level=30,
+        )
+    kind, cfg = choose_kernel(x, data, scales, global_scale, fmt, shp, block_size)
+    if kind == "fused":
+        _log.record_path("fused_dequant_matmul")
+        return _tr().fused_matmul(
+            _FMT_ID[fmt], x.contiguous(), data, scales, global_scale, shp, block_size, cfg
+        )
+    _log.record_path("dequant_matmul")
+    if fmt == "fp8":
+        w = ref.dequantize_fp8(_f8(data), scales, x.dtype)
+    else:
+        w = _tr().dequantize(_FMT_ID[fmt], data, scales, global_scale, shp, block_size, x.dtype)
+    return x @ w.t()
+
+
+@qmatmul.register_fake
+def _(x, data, scales, global_scale, fmt, shape, block_size):
+    return x.new_empty((x.shape[0], shape[0]))
+
+
+# -------------------------------------------------------------------------------------- fp8
+def _split_outliers(x: torch.Tensor, n_outliers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero the ``n_outliers`` input channels of largest |x| (found on device, no sync); return their ids."""
+    if n_outliers <= 0:
+        return x, None
+    idx = x.abs().amax(dim=0).topk(n_outliers).indices  # [k]
+    return x.index_fill(1, idx, 0), idx
+
+
+def _outlier_term(
+    x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    w_out = (_f8(data.index_select(1, idx)).float() * scales[:, None]).to(x.dtype)  # [N, k]
+    return x.index_select(1, idx) @ w_out.t()  # [M, N]
+
+
+@custom_op("tidal_quant::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n_outliers: int) -> torch.Tensor:
+    """FP8 forward: per-token e4m3 activations × per-channel e4m3 weights (+ outlier channels in x.dtype).
+
+    This default kernel emulates the tensor-core path in fp32 (the reference); CUDA runs
+    ``torch._scaled_mm`` with rowwise scales.
+    """
+    x_in, idx = _split_outliers(x, n_outliers)
+    q, sa = ref.quantize_rows_fp8(x_in)
+    y = (q.float() * sa) @ (_f8(data).float() * scales[:, None]).t()
+    if idx is not None:
+        y = y + _outlier_term(x, idx, data, scales).float()
+    return y.to(x.dtype)
+
+
+@fp8_linear.register_kernel("cuda")
+def _(x, data, scales, n_outliers):
+    _log.record_path("fp8_scaled_mm")
+    x_in, idx = _split_outliers(x, n_outliers)
+    q, sa = _tr().quantize_rows_fp8(x_in)  # [M, K] e4m3, [M, 1] fp32 (bit-exact with the reference)
+    y = torch._scaled_mm(
+        q, _f8(data).t(), scale_a=sa, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16
+    ).to(x.dtype)  # [M, N]
+    if idx is not None:
+        y = y + _outlier_term(x, idx, data, scales)
+    return y
+
+
+@fp8_linear.register_fake
+def _(x, data, scales, n_outliers):
+    return x.new_empty((x.shape[0], data.shape[0]))
+
+
+@custom_op("tidal_quant::fp8_grad_input", mutates_args=())
+def fp8_grad_input(grad: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``grad [T, N] @ W [N, K]`` with per-token e4m3 gradients (weight row scales folded into them).
+
+    This default kernel emulates the tensor-core path in fp32; CUDA runs ``torch._scaled_mm``.
+    """
+    q, sg = ref.quantize_rows_fp8(grad.float() * scales)  # [T, N] e4m3, [T, 1]
+    return ((q.float() * sg) @ _f8(data).float()).to(grad.dtype)
+
+
+@fp8_grad_input.register_kernel("cuda")
+def _(grad, data, scales):
+    q, sg = _tr().quantize_rows_fp8(grad, col_scale=scales)  # [T, N] e4m3 of grad * scales, [T, 1]
+    w_col = _f8(data).t().contiguous().t()  # [N, K] column-major, as _scaled_mm wants its second operand
+    ones = torch.ones(1, data.shape[1], device=grad.device, dtype=torch.float32)
+    return torch._scaled_mm(q, w_col, scale_a=sg, scale_b=ones, out_dtype=torch.bfloat16).to(grad.dtype)
+
+
+@fp8_grad_input.register_fake
+def _(grad, data, scales):
+    return grad.new_empty((grad.shape[0], data.shape[1]))
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """True when ``device`` runs ``torch._scaled_mm`` (CUDA compute capability ≥ 8.9)."""
+    return (
+        device.type == "cuda"
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
+
+
+def uses_scaled_mm(x: torch.Tensor, fmt: str, shape: Sequence[int]) -> bool:
+    """Whether an fp8 forward on ``x``'s device runs on FP8 tensor cores; logs + records why not, once."""
+    if fmt != "fp8" or x.device.type != "cuda":
+        return False
+    if not fp8_tensor_cores(x.device):
+        _log.record(
+            "degraded",
+            f"tidal_quant: {torch.cuda.get_device_name(x.device)} has no FP8 tensor cores "
+            "(compute capability < 8.9): fp8 weights are dequantized to the activation dtype",
+            once_key="fp8-no-tensor-cores",
+            level=30,
+        )
+        return False
+    if shape[0] % 16 or shape[1] % 16:
+        _log.record(
+            "degraded",
+            f"tidal_quant: fp8 weight {tuple(shape)} is not a multiple of 16 in both dims, which "
+            "torch._scaled_mm needs; it is dequantized instead",
+            once_key=f"fp8-shape-{tuple(shape)}",
+            level=30,
+        )
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------- linear
+@custom_op("tidal_quant::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: Sequence[int],
+    block_size: int,
+    n_outliers: int,
+    fp8_grad: bool,
+) -> torch.Tensor:
+    """``x [T, K] @ Wᵀ`` for a quantized ``W [N, K]``; autograd gives the gradient of ``x`` only.
+
+    With ``fp8_grad`` (fp8 weights on FP8 tensor cores) the input gradient runs on ``torch._scaled_mm``
+    too, with per-token e4m3 gradients; otherwise it is ``grad @ dequantize(W)``.
+    """
+    if uses_scaled_mm(x, fmt, shape):
+        return fp8_linear(x.contiguous(), data, scales, n_outliers)
+    return qmatmul(x, data, scales, global_scale, fmt, shape, block_size)
+
+
+@linear.register_fake
+def _(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad):
+    return x.new_empty((x.shape[0], shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    _, data, scales, global_scale, fmt, shape, block_size, _, fp8_grad = inputs
+    ctx.save_for_backward(data, scales, global_scale)
+    ctx.meta = (fmt, list(shape), block_size, fp8_grad)
+
+
+def _linear_backward(ctx, grad):
+    data, scales, global_scale = ctx.saved_tensors
+    fmt, shape, block_size, fp8_grad = ctx.meta
+    gx = None
+    if ctx.needs_input_grad[0]:
+        if fp8_grad and uses_scaled_mm(grad, fmt, shape):
+            gx = fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
+        else:
+            w = dequantize(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
+            gx = grad @ w  # [T, K]
+    return gx, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_context=_linear_setup)

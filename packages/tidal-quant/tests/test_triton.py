@@ -1,0 +1,218 @@
+"""Triton kernels against the pure-torch reference.
+
+gpu-marked tests run on CUDA. ``test_kernels_in_triton_interpreter`` runs the same kernels on the CPU
+through ``TRITON_INTERPRET=1`` wherever triton is importable (it is skipped where it is not).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tidal_quant as tq
+from tidal_quant import ops
+from tidal_testing import assert_bitwise_equal, assert_sqnr
+
+gpu = pytest.mark.gpu
+BF16_ULP = 2.0**-8  # relative spacing of bf16: the only rounding a dequantize kernel adds
+
+
+def _weights(device="cuda"):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=g) * 0.02
+    w[0, :64] = 0.0  # all-zero block
+    w[1, :64] = tq.reference.nf4_midpoints().repeat(5)[:64] * 0.5  # exact NF4 midpoints after scaling
+    w[1, 0] = 0.5
+    w[2, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0, 3.5, 0.25])  # int8 ties (scale 1)
+    w[3, 3], w[3, 4] = 9.0, -9.0  # ±max
+    odd = torch.randn(37, 61, generator=g)
+    return [w.to(device), w.to(device, torch.bfloat16), odd.to(device)]
+
+
+_PACK_CASES = [("int8", 64, False), ("int8", 6, False), ("nf4", 64, False), ("nf4", 16, False)]
+_PACK_CASES += [("nvfp4", 16, False), ("nf4", 64, True), ("int8", 64, True), ("fp8", None, False)]
+
+
+@gpu
+@pytest.mark.parametrize("fmt,bs,dq", _PACK_CASES)
+def test_quantize_pack_bit_exact(fmt, bs, dq):
+    for w in _weights():
+        if fmt == "nvfp4" and w.shape[1] % 16:
+            continue
+        gpu_q = tq.quantize(w, fmt, block_size=bs, double_quant=dq)
+        cpu_q = tq.quantize(w.cpu(), fmt, block_size=bs, double_quant=dq)
+        for name, t in cpu_q.tensors().items():
+            assert_bitwise_equal(gpu_q.tensors()[name], t, f"{fmt}/{bs} {name} {tuple(w.shape)} {w.dtype}")
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_dequantize_matches_reference(fmt):
+    w = _weights()[0]
+    qw = tq.quantize(w.cpu(), fmt)
+    ref32 = tq.dequantize(qw, torch.float32)
+    qg = qw.to("cuda")
+    # fp32 output: one fp32 multiply per element, as the reference → identical
+    assert_bitwise_equal(tq.dequantize(qg, torch.float32), ref32, f"{fmt} fp32")
+    # bf16 output: within one bf16 rounding of the fp32 reference
+    got = tq.dequantize(qg, torch.bfloat16).float().cpu()
+    assert bool(((got - ref32).abs() <= ref32.abs() * BF16_ULP).all())
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_quant_linear_gpu_paths(fmt, tokens):
+    w = torch.randn(512, 1024, device="cuda") * 0.02
+    qw = tq.quantize(w, fmt)
+    wd = tq.dequantize(qw, torch.float32)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tq.reset_path_counts()
+    y = tq.quant_linear(x, qw)
+    counts = tq.path_counts()
+    assert sum(counts.values()) == 1 and set(counts) <= {"fused_dequant_matmul", "dequant_matmul"}
+    # bf16 inputs and output: ≥ 40 dB against the fp32 product with the same dequantized weight
+    assert_sqnr(x.detach().float() @ wd.t(), y.float(), 40.0, f"{fmt} fwd {tokens} tokens {counts}")
+    if tokens <= ops.FUSED_MAX_TOKENS:  # run the fused kernel too, whatever the measurement chose
+        for cfg in ((16, 64, 64), (16, 32, 128)):
+            from tidal_quant import _triton
+
+            fused = _triton.fused_matmul(
+                ops._FMT_ID[fmt],
+                x.detach(),
+                qw.data,
+                qw.scales,
+                qw.global_scale,
+                qw.shape,
+                qw.block_size,
+                cfg,
+            )
+            assert_sqnr(x.detach().float() @ wd.t(), fused.float(), 40.0, f"{fmt} fused {cfg}")
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert_sqnr(g.float() @ wd, x.grad.float(), 40.0, f"{fmt} input grad")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_row_quantization_bit_exact(dtype):
+    from tidal_quant import _triton
+
+    x = (torch.randn(64, 5000) * 3).to("cuda", dtype)
+    x[5] = 0.0
+    c = torch.rand(5000, device="cuda")
+    for cs in (None, c):
+        q, s = _triton.quantize_rows_fp8(x, cs)
+        rq, rs = tq.reference.quantize_rows_fp8(x.float().cpu() if cs is None else x.float().cpu() * cs.cpu())
+        assert_bitwise_equal(s, rs, "row scales")
+        assert_bitwise_equal(q, rq, "e4m3 codes")
+
+
+@gpu
+@pytest.mark.parametrize("outliers,fp8_backward", [(0.0, False), (0.01, False), (0.0, True)])
+def test_fp8_quant_linear_runs_on_scaled_mm(monkeypatch, outliers, fp8_backward):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability >= 8.9")
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*a, **k):
+        calls.append(tuple(a[0].shape))
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    lin = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    q = tq.QuantLinear.from_linear(lin, "fp8", outliers=outliers, fp8_backward=fp8_backward)
+    x = torch.randn(4, 64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tq.reset_path_counts()
+    y = q(x)
+    assert tq.path_counts() == {"fp8_scaled_mm": 1} and calls == [(256, 1024)]
+    # against the fp32 emulation of the same arithmetic (per-token e4m3 activations), run on the CPU
+    data, scales = ops.as_bytes(q.weight_data).cpu(), q.weight_scales.cpu()
+    n_out = tq.linear.n_outlier_channels(outliers, 1024)
+    emu = (
+        ops.fp8_linear(x.detach().reshape(-1, 1024).float().cpu(), data, scales, n_out)
+        + lin.bias.float().cpu()
+    )
+    assert_sqnr(emu, y.detach().reshape(-1, 512).float().cpu(), 40.0, "fp8 scaled_mm vs emulation")
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx = x.grad.reshape(-1, 1024).float().cpu()
+    if fp8_backward:
+        assert calls == [(256, 1024), (256, 512)]  # the input gradient ran on _scaled_mm too
+        emu_g = ops.fp8_grad_input(g.reshape(-1, 512).float().cpu(), data, scales)
+        assert_sqnr(emu_g, gx, 40.0, "fp8 grad vs emulation")
+    else:
+        assert len(calls) == 1
+        wd = q.dequantize_weight(torch.float32).cpu()
+        assert_sqnr(g.reshape(-1, 512).float().cpu() @ wd, gx, 40.0, "fp8 grad")
+
+
+_INTERP = textwrap.dedent(
+    """
+    import torch
+    from tidal_quant import _triton as T, reference as R
+    w = torch.randn(24, 80) * 0.02
+    w[0, :64] = 0
+    w[2, :64] = R.nf4_midpoints().repeat(5)[:64] * 0.5
+    w[2, 0] = 0.5
+    for bs in (64, 16):
+        q, s = T.quantize_blocks(w, bs, nf4=True)
+        rq, rs = R.quantize_nf4(w, bs)
+        assert torch.equal(q, rq) and torch.equal(s, rs), ("nf4", bs)
+        assert torch.equal(T.dequantize(1, rq, rs, None, w.shape, bs, torch.float32),
+                           R.dequantize_nf4(rq, rs, w.shape, bs, torch.float32))
+    for bs in (64, 6, 2):
+        q, s = T.quantize_blocks(w, bs, nf4=False)
+        rq, rs = R.quantize_int8(w, bs)
+        assert torch.equal(q, rq) and torch.equal(s, rs), ("int8", bs)
+        assert torch.equal(T.dequantize(0, rq, rs, None, w.shape, bs, torch.float32),
+                           R.dequantize_int8(rq, rs, bs, torch.float32))
+    bsc, g, eff = R.nvfp4_scales(w)
+    rq, rbs, rg = R.quantize_nvfp4(w)
+    assert torch.equal(T.quantize_nvfp4_codes(w, eff), rq)
+    assert torch.equal(T.dequantize(2, rq, rbs.view(torch.uint8), rg, w.shape, 16, torch.float32),
+                       R.dequantize_nvfp4(rq, rbs, rg, torch.float32))
+    # fused dequant-matmul, every scale-fetch mode (per element / per row / reshaped) and format
+    for k, fid, bs in ((256, 0, 64), (256, 0, 16), (192, 0, 6), (256, 1, 64), (256, 1, 16), (256, 2, 16)):
+        x = torch.randn(5, k)
+        W = torch.randn(40, k) * 0.02
+        if fid == 0:
+            d, s = R.quantize_int8(W, bs); g = None; ref = R.dequantize_int8(d, s, bs, torch.float32)
+        elif fid == 1:
+            d, s = R.quantize_nf4(W, bs); g = None; ref = R.dequantize_nf4(d, s, W.shape, bs, torch.float32)
+        else:
+            d, s, g = R.quantize_nvfp4(W); ref = R.dequantize_nvfp4(d, s, g, torch.float32)
+        for cfg in ((16, 32, 64), (16, 16, 128), (16, 32, 32)):
+            if k % cfg[2] == 0:
+                y = T.fused_matmul(fid, x, d, s, g, W.shape, bs, cfg)
+                assert (y - x @ ref.T).abs().max() < 1e-5, (fid, bs, cfg)
+    # per-row fp8 activation quantization up to the e4m3 cast (the interpreter does not round like
+    # the GPU's cvt.rn, so the codes are compared as fp32 here and bit for bit on the GPU)
+    for k in (100, 5000):
+        x = torch.randn(7, k)
+        c = torch.rand(k)
+        for cs in (None, c):
+            y = torch.empty(7, k)
+            sc = torch.empty(7, 1)
+            T._rows_fp8_kernel[(7,)](x, sc if cs is None else cs, y, sc, k, k, cs is not None, min(4096, T._pow2(k)))
+            xf = x if cs is None else x * cs
+            rs = (xf.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+            assert torch.equal(sc, rs) and torch.equal(y, (xf / rs).clamp(-448, 448)), (k, cs is None)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_kernels_in_triton_interpreter():
+    # fp32 in and out: the interpreter truncates bf16 conversions, so bf16 output is checked on the GPU only
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

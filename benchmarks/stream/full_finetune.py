@@ -41,6 +41,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
         vocab_size=args.vocab,
         max_position_embeddings=max(4096, args.seq),
         tie_word_embeddings=False,
+        use_cache=False,  # training: no KV cache (it would also grow during recomputation)
     )
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -100,6 +101,11 @@ def main() -> None:
     ap.add_argument("--offload", default="auto", help="auto | true | false")
     ap.add_argument("--moment-dtype", default="fp32")
     ap.add_argument("--delayed-update", action="store_true")
+    ap.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every block in backward (frees VRAM for optimizer state)",
+    )
     ap.add_argument("--profile", default="", help="write a Chrome trace of one step here")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
@@ -144,6 +150,8 @@ def main() -> None:
         delayed_update=args.delayed_update,
         batch_tokens=args.batch * args.seq,
     )
+    if args.recompute:
+        wrap_opts["recompute"] = True
     if budget is not None:
         wrap_opts["vram_budget"] = budget
     t0 = time.perf_counter()

@@ -1,0 +1,383 @@
+"""Per-block activation policies: keep, offload to host memory, or recompute in backward.
+
+:func:`install_activation_policy` ``(blocks, policies, *, device, arena=None, ...)`` installs forward
+pre/post hooks on each block (never a patched ``forward``) and returns an :class:`ActivationHandle`
+(``.remove()``, ``.stats()``, ``.set_policy(i, policy)`` for adaptation between steps).
+
+- ``"keep"`` — nothing changes: saved tensors stay on the device.
+- ``"offload"`` — while the block's forward runs, ``torch.autograd.graph.saved_tensors_hooks`` send each
+  saved tensor of at least ``min_offload_bytes`` to host memory (the arena when given, else pinned
+  ``torch.empty``) on the D2H stream; the device tensor is dropped once its copy has landed. When the
+  block's output gradient arrives (its backward is next) the block's tensors and those of the
+  ``prefetch_ahead`` blocks before it are copied back on the H2D stream, so unpacking rarely waits.
+  Copies preserve shape, strides and bytes, so backward is bit-identical. Not offloaded: parameters,
+  buffers and views of them (they stream with the weights, see ``streamed_blocks``), tensors smaller than
+  the threshold, and tensors that are not dense and non-overlapping (counted in ``stats()``).
+- ``"recompute"`` — non-reentrant activation checkpointing of the block
+  (``torch.utils.checkpoint``'s non-reentrant generator driven from the hooks, as torch's composable
+  ``checkpoint(module)`` does) with the CPU and CUDA RNG states preserved, so dropout masks match.
+  Results match the un-checkpointed model exactly when the recomputed kernels are deterministic (all of
+  them on the CPU; on CUDA, atomics-based kernels such as some SDPA backward paths may differ in the
+  last bits, as they do between two plain runs).
+
+A recomputed forward runs the block again: state it updates must not be updated twice — run training
+without a KV cache (``use_cache=False``, as Hugging Face's own checkpointing does).
+
+Install activation policies *after* weight streaming on the same blocks, so that the weights are
+resident when a block's saved tensors are classified (hooks run in registration order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.utils.checkpoint as ckpt
+from torch import nn
+
+from tidal_stream._host_buffers import HostBuffers
+from tidal_stream.streamed_blocks import StreamingError, _tensors_of
+from tidal_stream.streams import NullStream, StreamEvent, device_streams, record_event, stream_context
+
+__all__ = ["ActivationHandle", "ActivationPolicy", "install_activation_policy"]
+
+logger = logging.getLogger(__name__)
+
+ActivationPolicy = Literal["keep", "offload", "recompute"]
+_POLICIES = ("keep", "offload", "recompute")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` elements without overlap (any stride order)."""
+    if t.numel() <= 1:
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _checkpoint_generator(
+    module: nn.Module, context_fn: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """torch's non-reentrant checkpoint generator, its leading parameters bound by name: their list
+    differs between torch releases (``early_stop`` came later) and the tensors must stay in ``*args``
+    so that their devices' RNG states are saved."""
+    gen_fn = ckpt._checkpoint_without_reentrant_generator
+    values = {
+        "fn": module,
+        "function": module,
+        "preserve_rng_state": True,  # dropout in the recompute draws the same masks
+        "context_fn": context_fn,
+        "determinism_check": "default",  # recomputed tensors' shapes and dtypes are checked
+        "debug": False,
+        "early_stop": True,
+    }
+    lead = []
+    for p in inspect.signature(gen_fn).parameters.values():
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        if p.name not in values and p.default is inspect.Parameter.empty:
+            raise StreamingError(
+                f"recompute: torch {torch.__version__}'s checkpoint generator needs an unknown argument "
+                f"{p.name!r}; accepted: the torch releases tidal supports. Fix: use activation offload instead."
+            )
+        lead.append(values.get(p.name, p.default))
+    return gen_fn(*lead, *args, **kwargs)
+
+
+class _Packed:
+    """A saved tensor sent to host memory; ``dev`` is held until the D2H copy has landed."""
+
+    __slots__ = ("__weakref__", "block", "d2h", "dev", "handle", "host", "ready", "release", "restored")
+
+    def __init__(
+        self, block: int, dev: torch.Tensor, host: torch.Tensor, handle: Any, d2h: StreamEvent, release: Any
+    ) -> None:
+        self.block = block
+        self.dev: torch.Tensor | None = dev
+        self.host = host
+        self.handle = handle  # arena block of ``host`` (None: torch's pinned pool frees it)
+        self.release = release  # HostBuffers.free
+        self.d2h = d2h
+        self.restored: torch.Tensor | None = None  # prefetched device copy
+        self.ready: StreamEvent | None = None  # guards ``restored``
+
+    def __del__(self) -> None:
+        # the graph holding this saved tensor is gone: return the arena block once the last copy
+        # touching it (the copy back, else the copy out) has finished
+        if self.handle is not None:
+            self.release(self.handle, self.ready if self.ready is not None else self.d2h)
+            self.handle = None
+
+
+class ActivationHandle:
+    """Installed activation policies of a block list; see the module docstring."""
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        policies: Sequence[str],
+        *,
+        device: torch.device | str,
+        arena: Any | None = None,
+        min_offload_bytes: int = 1 << 16,
+        prefetch_ahead: int = 1,
+        streams: Any | None = None,
+        pin: bool = True,
+    ) -> None:
+        self.blocks = list(blocks)
+        if len(policies) != len(self.blocks):
+            raise StreamingError(
+                f"install_activation_policy: {len(policies)} policies for {len(self.blocks)} blocks; "
+                "accepted: one policy per block. Fix: pass a list as long as blocks."
+            )
+        for i, p in enumerate(policies):
+            self._check(i, p)
+        if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
+            raise StreamingError(
+                f"install_activation_policy: min_offload_bytes={min_offload_bytes!r} is invalid; accepted: "
+                "an int >= 0. Fix: pass e.g. 65536 to keep small tensors on the device."
+            )
+        if not isinstance(prefetch_ahead, int) or isinstance(prefetch_ahead, bool) or prefetch_ahead < 0:
+            raise StreamingError(
+                f"install_activation_policy: prefetch_ahead={prefetch_ahead!r} is invalid; accepted: an "
+                "int >= 0. Fix: pass 1."
+            )
+        self.policies: list[str] = list(policies)
+        self.device = torch.device(device)
+        self.streams = streams if streams is not None else device_streams(self.device)
+        self.host = HostBuffers(self.device, arena, pin)
+        self.min_offload_bytes = min_offload_bytes
+        self.prefetch_ahead = prefetch_ahead
+        self._packed: list[weakref.WeakSet[_Packed]] = [weakref.WeakSet() for _ in self.blocks]
+        self._inflight: list[_Packed] = []  # D2H copies whose device source is still held
+        self._ctx: list[list[Any]] = [[] for _ in self.blocks]  # entered contexts, per block
+        self._recomputing = [False] * len(self.blocks)
+        self._block_bytes = [0] * len(self.blocks)  # offloaded bytes of each block's latest forward
+        self._stats = dict.fromkeys(
+            (
+                "offloaded_tensors",
+                "offloaded_bytes",
+                "kept_small",
+                "kept_weights",
+                "kept_not_dense",
+                "prefetched",
+                "demand_fetches",
+                "recomputed_forwards",
+            ),
+            0,
+        )
+        self._hooks: list[Any] = []
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_pre_hook(self._make_pre(i), with_kwargs=True))
+            self._hooks.append(b.register_forward_hook(self._make_post(i), always_call=True))
+
+    @staticmethod
+    def _check(i: int, p: Any) -> None:
+        if p not in _POLICIES:
+            raise StreamingError(
+                f"install_activation_policy: policies[{i}]={p!r} is invalid; accepted: {', '.join(_POLICIES)}. "
+                "Fix: pick one per block."
+            )
+
+    # ----------------------------------------------------------------------------------- policy
+    def set_policy(self, i: int, policy: ActivationPolicy) -> None:
+        """Change block ``i``'s policy for the next forwards (not while its forward runs)."""
+        self._check(i, policy)
+        self.policies[i] = policy
+
+    def _make_pre(self, i: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._recomputing[i] or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+                return
+            policy = self.policies[i]
+            if policy == "offload":
+                self._block_bytes[i] = 0
+                weights = {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())}
+                hooks = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: self._pack(i, t, weights), self._unpack
+                )
+                hooks.__enter__()
+                self._ctx[i].append(hooks)
+            elif policy == "recompute":
+                gen = _checkpoint_generator(
+                    module, lambda: (contextlib.nullcontext(), self._recompute_ctx(i)), args, kwargs
+                )
+                next(gen)
+                self._ctx[i].append(gen)
+
+        return pre
+
+    @contextlib.contextmanager
+    def _recompute_ctx(self, i: int) -> Any:
+        self._recomputing[i] = True
+        self._stats["recomputed_forwards"] += 1
+        try:
+            yield
+        finally:
+            self._recomputing[i] = False
+
+    def _make_post(self, i: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._ctx[i]:
+                return
+            ctx = self._ctx[i].pop()
+            if isinstance(ctx, torch.autograd.graph.saved_tensors_hooks):
+                ctx.__exit__(None, None, None)
+                self._poll(wait_below=i - self.prefetch_ahead)
+                outs = _tensors_of(output)
+                if outs:
+                    # the handle lives as long as the graph does
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outs, lambda _g: self._prefetch_from(i), mode="any"
+                    )
+            else:
+                with contextlib.suppress(StopIteration):
+                    next(ctx)
+
+        return post
+
+    # ----------------------------------------------------------------------------------- offload
+    def _pack(self, i: int, t: torch.Tensor, weights: set[int]) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter) or t.untyped_storage()._cdata in weights:
+            self._stats["kept_weights"] += 1
+            return t
+        if nbytes < self.min_offload_bytes or t.device.type != self.device.type:
+            self._stats["kept_small"] += 1
+            return t
+        if not _dense(t):
+            self._stats["kept_not_dense"] += 1
+            return t
+        with torch.profiler.record_function("tidal::act.offload"):
+            host, handle = self.host.alloc_like(t, tag=f"act.block{i}")
+            compute = self.streams.compute()
+            d2h = self.streams.d2h
+            with stream_context(d2h):
+                record_event(compute).wait(d2h)  # why: the copy reads what the compute stream just wrote
+                host.copy_(t, non_blocking=not isinstance(d2h, NullStream))
+                done = record_event(d2h)  # why: the device source may be dropped only after this
+        p = _Packed(i, t, host, handle, done, self.host.free)
+        self._inflight.append(p)
+        self._packed[i].add(p)
+        self._stats["offloaded_tensors"] += 1
+        self._stats["offloaded_bytes"] += nbytes
+        self._block_bytes[i] += nbytes
+        self._poll()
+        return p
+
+    def _poll(self, below: int | None = None, wait_below: int | None = None) -> None:
+        """Drop device sources whose D2H copy has completed (frees their memory); with ``below``, only
+        those of blocks before it (the others are about to be used by backward: no round trip). With
+        ``wait_below``, first block the host until the copies of blocks before it have landed."""
+        keep = []
+        for p in self._inflight:
+            if wait_below is not None and p.block < wait_below:
+                # backpressure: the host may run ahead of the device by at most prefetch_ahead + 1
+                # blocks of offloaded activations, else their device copies pile up un-freed
+                p.d2h.synchronize()
+            if (below is None or p.block < below) and p.d2h.query():
+                p.dev = None
+            else:
+                keep.append(p)
+        self._inflight = keep
+
+    def _restore(self, p: _Packed) -> None:
+        """Start the H2D copy of ``p`` back to the device (allocating on the compute stream)."""
+        compute = self.streams.compute()
+        h2d = self.streams.h2d
+        with stream_context(compute):
+            dev = torch.empty_strided(p.host.shape, p.host.stride(), dtype=p.host.dtype, device=self.device)
+            alloc_done = record_event(compute)  # why: the new bytes may still be read by queued kernels
+        with stream_context(h2d):
+            alloc_done.wait(h2d)  # why: write only after those kernels are done
+            p.d2h.wait(h2d)  # why: the host copy must have landed before we read it back
+            dev.copy_(p.host, non_blocking=not isinstance(h2d, NullStream))
+            p.ready = record_event(h2d)  # why: backward reads it only after the copy
+        p.restored = dev
+
+    def _prefetch_from(self, i: int) -> None:
+        with torch.profiler.record_function("tidal::act.prefetch"):
+            self._poll(below=i - self.prefetch_ahead)
+            for j in range(i, max(-1, i - 1 - self.prefetch_ahead), -1):
+                for p in list(self._packed[j]):
+                    if p.dev is None and p.restored is None:
+                        self._restore(p)
+                        self._stats["prefetched"] += 1
+
+    def _unpack(self, p: Any) -> torch.Tensor:
+        if not isinstance(p, _Packed):
+            return p
+        if p.dev is not None:  # D2H still pending or not yet polled: the original is still here
+            return p.dev
+        if p.restored is None:
+            self._stats["demand_fetches"] += 1
+            self._restore(p)
+        assert p.restored is not None and p.ready is not None
+        p.ready.wait(self.streams.compute())  # why: the kernel reading it runs on the compute stream
+        out, p.restored = p.restored, None
+        return out
+
+    # ----------------------------------------------------------------------------------- public
+    def stats(self) -> dict[str, Any]:
+        """Counters: offloaded tensors/bytes, kept (small, weights, not dense), prefetched, demand
+        fetches (copy-back not prefetched in time), recomputed forwards, ``block_offloaded_bytes`` (per
+        block, its latest forward) and the current policies."""
+        return {
+            **self._stats,
+            "block_offloaded_bytes": list(self._block_bytes),
+            "policies": list(self.policies),
+            "degraded": list(self.host.degraded),
+        }
+
+    def remove(self) -> None:
+        """Remove the hooks; graphs already built keep working."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def install_activation_policy(
+    blocks: Sequence[nn.Module],
+    policies: Sequence[ActivationPolicy],
+    *,
+    device: torch.device | str,
+    arena: Any | None = None,
+    min_offload_bytes: int = 1 << 16,
+    prefetch_ahead: int = 1,
+    streams: Any | None = None,
+) -> ActivationHandle:
+    """Install one activation policy per block (``"keep"``, ``"offload"`` or ``"recompute"``).
+
+    Args:
+        blocks: The blocks, in execution order.
+        policies: One policy per block.
+        device: The device the blocks compute on (``"cpu"`` runs the same logic synchronously).
+        arena: Optional ``tidal_arena.PinnedArena`` for offloaded tensors (else pinned ``torch.empty``).
+        min_offload_bytes: Saved tensors smaller than this stay on the device.
+        prefetch_ahead: Blocks before the one in backward whose tensors are copied back early.
+        streams: Optional ``DeviceStreams`` (default: the shared ones of ``device``).
+
+    Returns:
+        An :class:`ActivationHandle`.
+
+    Raises:
+        StreamingError: a policy or option is invalid.
+    """
+    return ActivationHandle(
+        blocks,
+        policies,
+        device=device,
+        arena=arena,
+        min_offload_bytes=min_offload_bytes,
+        prefetch_ahead=prefetch_ahead,
+        streams=streams,
+    )

@@ -1,0 +1,557 @@
+"""``StreamedBlocks``: bounded-residency weight streaming over an ordered list of blocks.
+
+Every parameter and buffer of every block lives in (pinned) host memory; at most ``prefetch_ahead + 1``
+blocks hold device copies at a time. Module forward pre/post hooks — never a patched ``forward`` —
+refill block ``i`` (if the prefetch has not already) and start the H2D copy of blocks ``i+1 .. i+k`` on
+the H2D stream, then release block ``i`` once its forward is queued. In training, a gradient hook on each
+block's outputs refills the block again before its backward runs and prefetches ``i-1 .. i-k`` (reverse
+order); blocks whose backward is finished are released, the rest at the end of backward.
+
+[Note: storage handling] As FSDP2 reshards: the ``Parameter`` objects (and buffer tensors) stay put;
+releasing resizes their device storage to 0 bytes, refilling resizes it back and copies the host copy in
+place (``t.untyped_storage().resize_(n)`` then ``copy_``). Tensors autograd saved in forward share that
+storage, so they are valid again once the block is refilled for backward. Copies go through ``.data`` so
+autograd's version counters are not bumped.
+
+[Note: allocation stream] Device storage is (re)allocated on the compute stream, then the H2D stream
+waits for an event recorded right after the allocation before writing into it: the caching allocator
+only orders reuse on the allocating stream, and the bytes just handed out may still be read by kernels
+queued on the compute stream for an earlier block.
+
+Assumptions: the blocks run in list order, each at most once per forward (a decoder layer stack); a
+block called out of order is fetched on demand (counted as a stall). ``device="cpu"`` runs the same
+logic with synchronous copies and stand-in streams, so CPU CI checks it bit-exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tidal_stream._host_buffers import HostBuffers
+from tidal_stream.errors import StreamError
+from tidal_stream.streams import NullStream, StreamEvent, device_streams, record_event, stream_context
+
+__all__ = ["ResidencyEvent", "SlotBudgetError", "StreamedBlocks", "StreamingError"]
+
+logger = logging.getLogger(__name__)
+
+_HISTORY_CAP = 20_000  # residency events kept in ``history`` (the latest; the observer sees all)
+
+
+class StreamingError(StreamError):
+    """Weight or activation streaming was configured or used wrongly."""
+
+
+class SlotBudgetError(StreamingError, ValueError):
+    """A block's weights exceed the per-slot byte budget (``slot_bytes``)."""
+
+
+@dataclass(frozen=True)
+class ResidencyEvent:
+    """One change of the set of resident blocks, as given to ``observer`` and kept in ``history``."""
+
+    seq: int
+    """Running number of the event."""
+    kind: Literal["fetch", "release"]
+    """A block's device copy was refilled or released."""
+    block: int
+    """Index of the block in the list given to ``StreamedBlocks``."""
+    phase: Literal["forward", "backward", "prefetch", "gather"]
+    """What triggered it: a forward hook, a backward hook, a prefetch, or ``gathered()``."""
+    resident: tuple[int, ...]
+    """Blocks resident after the change."""
+    resident_bytes: int
+    """Device bytes of the resident blocks after the change."""
+
+
+@dataclass
+class _Slot:
+    tensor: torch.Tensor  # the Parameter or buffer tensor whose device storage is resized
+    host: torch.Tensor  # host master copy, same shape/strides
+    nbytes: int
+    trainable: bool
+
+
+@dataclass
+class _Block:
+    index: int
+    module: nn.Module
+    slots: list[_Slot]
+    nbytes: int
+    resident: bool = False
+    ready: StreamEvent | None = None  # guards the H2D copy of the last refill
+    compute: Any = None  # the stream the block's kernels were issued on in forward
+
+
+def _tensors_of(output: Any) -> list[torch.Tensor]:
+    """Tensors that require grad inside a (nested) tuple/list/dict output."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors_of(o)]
+    return []
+
+
+class StreamedBlocks:
+    """Stream the weights of an ordered block stack with at most ``prefetch_ahead + 1`` blocks resident.
+
+    Args:
+        blocks: The blocks in execution order (e.g. ``model.model.layers``). Their parameters and buffers
+            move to host memory; the ``Parameter`` objects stay the same (optimizers keep working).
+        device: Where the blocks compute (``"cuda"``, ``"cuda:N"``, or ``"cpu"`` as a stand-in).
+        prefetch_ahead: Blocks fetched ahead of the running one, forward and backward (``k >= 0``).
+        slot_bytes: Optional per-block byte budget; a larger block raises :class:`SlotBudgetError`.
+        arena: Optional ``tidal_arena.PinnedArena`` for the host copies.
+        pin: Page-lock host copies when no arena is given (CUDA only).
+        streams: Optional ``DeviceStreams``; defaults to the shared ones of ``device``.
+        observer: Optional callback receiving every :class:`ResidencyEvent`.
+        max_inflight_bytes: Optional cap on the device bytes of streamed blocks held at once (the
+            running block plus prefetches); prefetching pauses at the cap. Must fit the largest block.
+        keep_resident: Blocks held on the device permanently (their host copies are kept, so
+            :meth:`set_resident` can stream them later); they do not count against the window.
+        before_fetch: Optional ``fn(block_index, tensors)`` called before a block's host copies are
+            read for a refill — e.g. a host optimizer blocks there until its update of those tensors
+            has been written to their host copies (:meth:`host_tensor`).
+        stream_trainable: Stream parameters that require grad too (full fine-tuning). False leaves them
+            where they are, untouched (e.g. LoRA adapters next to a streamed frozen base).
+
+    Raises:
+        StreamingError: a parameter is shared by two blocks, or a block tensor is not dense.
+        SlotBudgetError: a block exceeds ``slot_bytes``.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        device: torch.device | str,
+        *,
+        prefetch_ahead: int = 1,
+        slot_bytes: int | None = None,
+        arena: Any | None = None,
+        pin: bool = True,
+        streams: Any | None = None,
+        observer: Callable[[ResidencyEvent], None] | None = None,
+        max_inflight_bytes: int | None = None,
+        keep_resident: Sequence[int] = (),
+        before_fetch: Callable[[int, list[torch.Tensor]], None] | None = None,
+        stream_trainable: bool = True,
+    ) -> None:
+        if not isinstance(prefetch_ahead, int) or isinstance(prefetch_ahead, bool) or prefetch_ahead < 0:
+            raise StreamingError(
+                f"StreamedBlocks: prefetch_ahead={prefetch_ahead!r} is invalid; accepted: an int >= 0. "
+                "Fix: pass 1 (default) or 2 to overlap the next blocks' copies with compute."
+            )
+        for opt, val in (("slot_bytes", slot_bytes), ("max_inflight_bytes", max_inflight_bytes)):
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
+                raise StreamingError(
+                    f"StreamedBlocks: {opt}={val!r} is invalid; accepted: None or an int > 0. "
+                    "Fix: pass None for no budget, or at least the largest block's bytes."
+                )
+        blocks = list(blocks)
+        if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+            raise StreamingError(
+                f"StreamedBlocks: blocks={type(blocks).__name__} of {len(blocks)} items is invalid; "
+                "accepted: a non-empty sequence of nn.Module. Fix: pass the layer stack, e.g. model.layers."
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.prefetch_ahead = prefetch_ahead
+        self.slot_bytes = slot_bytes
+        self.streams = streams if streams is not None else device_streams(self.device)
+        self.host = HostBuffers(self.device, arena, pin)
+        self.observer = observer
+        self.before_fetch = before_fetch
+        self.history: collections.deque[ResidencyEvent] = collections.deque(maxlen=_HISTORY_CAP)
+        self._seq = 0
+        self._hooks: list[Any] = []
+        self._bwd_task = -1  # graph task of the backward pass being served
+        self._h2d_bytes = 0
+        self._h2d_ms_cpu = 0.0
+        self._stall_ms_cpu = 0.0
+        self._fetches = 0
+        self._demand_fetches = 0
+        self._timings: list[tuple[Any, Any]] = []  # (start, end) CUDA timing events of H2D copies
+        self._stalls: list[tuple[Any, Any]] = []  # timing events around compute-stream waits
+        self._h2d_ms_done = 0.0
+        self._stall_ms_done = 0.0
+        self._peak_blocks = 0
+        self._peak_bytes = 0
+        self.max_inflight_bytes = max_inflight_bytes
+        self.stream_trainable = bool(stream_trainable)
+        self._pinned: set[int] = set()
+        self._blocks = self._adopt(blocks)
+        largest = max(b.nbytes for b in self._blocks)
+        if max_inflight_bytes is not None and max_inflight_bytes < largest:
+            raise SlotBudgetError(
+                f"StreamedBlocks: max_inflight_bytes={max_inflight_bytes} cannot hold the largest block "
+                f"({largest} bytes); accepted: >= {largest}. Fix: raise max_inflight_bytes to at least "
+                f"{largest} (x (prefetch_ahead + 1) to overlap copies with compute)."
+            )
+        for i in keep_resident:
+            self.set_resident(i, True)
+        for b in self._blocks:
+            self._hooks.append(b.module.register_forward_pre_hook(self._make_pre_hook(b.index)))
+            self._hooks.append(b.module.register_forward_hook(self._make_post_hook(b.index)))
+
+    # ----------------------------------------------------------------------------------- setup
+    def _adopt(self, modules: list[nn.Module]) -> list[_Block]:
+        # pass 1: validate everything before touching any tensor, so an error leaves the model intact
+        seen: dict[int, int] = {}
+        plan: list[list[tuple[nn.Module, str, torch.Tensor, bool]]] = []
+        for i, mod in enumerate(modules):
+            found: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
+            for sub in mod.modules():
+                for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
+                    for name, t in store.items():
+                        if t is None or (is_param and t.requires_grad and not self.stream_trainable):
+                            continue
+                        if id(t) in seen:
+                            if seen[id(t)] != i:
+                                raise StreamingError(
+                                    f"StreamedBlocks: tensor {name!r} is shared by blocks {seen[id(t)]} and {i}; "
+                                    "accepted: blocks that own their weights. Fix: keep tied weights out of "
+                                    "the streamed blocks (leave those blocks resident)."
+                                )
+                            continue
+                        if t.numel() > 0 and t.untyped_storage().nbytes() == 0:
+                            raise StreamingError(
+                                f"StreamedBlocks: block {i} tensor {name!r} has no storage (already streamed "
+                                "or released); accepted: materialized weights. Fix: call .remove() on the "
+                                "StreamedBlocks that owns these blocks first."
+                            )
+                        seen[id(t)] = i
+                        found.append((sub, name, t, is_param))
+            nbytes = sum(t.numel() * t.element_size() for _, _, t, _ in found)
+            if self.slot_bytes is not None and nbytes > self.slot_bytes:
+                raise SlotBudgetError(
+                    f"StreamedBlocks: block {i} ({type(mod).__name__}) holds {nbytes} bytes of weights, more "
+                    f"than slot_bytes={self.slot_bytes}; accepted: every block <= slot_bytes. Fix: raise "
+                    f"slot_bytes to at least {nbytes}, or split the block."
+                )
+            plan.append(found)
+        # pass 2: move every tensor to host memory and empty its device storage
+        align = 512  # the arena's default block alignment
+        self.host.reserve_own_arena(
+            sum((t.numel() * t.element_size() + align - 1) // align * align for f in plan for _, _, t, _ in f)
+        )
+        out: list[_Block] = []
+        for i, (mod, found) in enumerate(zip(modules, plan)):
+            slots = [self._adopt_tensor(sub, name, t, is_param, i) for sub, name, t, is_param in found]
+            out.append(_Block(i, mod, slots, sum(s.nbytes for s in slots)))
+        return out
+
+    def _adopt_tensor(self, owner: nn.Module, name: str, t: torch.Tensor, is_param: bool, i: int) -> _Slot:
+        src = t.detach()
+        host = self.host.empty_like(src.contiguous(), tag=f"stream.block{i}.{name}")
+        host.copy_(src)
+        dev = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # [same shape], contiguous
+        if is_param:
+            t.data = dev  # the Parameter object stays; only its data moves
+            tensor = t
+        else:
+            owner._buffers[name] = dev
+            tensor = dev
+        nbytes = dev.untyped_storage().nbytes()
+        dev.untyped_storage().resize_(0)
+        return _Slot(tensor, host, nbytes, bool(is_param and t.requires_grad))
+
+    # ----------------------------------------------------------------------------------- residency
+    def _record(self, kind: Literal["fetch", "release"], block: int, phase: Any) -> None:
+        resident = tuple(b.index for b in self._blocks if b.resident)
+        nbytes = sum(self._blocks[j].nbytes for j in resident)
+        # peaks count the streaming window only: blocks kept resident are there by design
+        self._peak_blocks = max(self._peak_blocks, self._n_resident())
+        self._peak_bytes = max(self._peak_bytes, self._streamed_resident_bytes())
+        ev = ResidencyEvent(self._seq, kind, block, phase, resident, nbytes)
+        self._seq += 1
+        self.history.append(ev)
+        if self.observer is not None:
+            self.observer(ev)
+
+    def _n_resident(self) -> int:
+        return sum(1 for b in self._blocks if b.resident and b.index not in self._pinned)
+
+    def _streamed_resident_bytes(self) -> int:
+        return sum(b.nbytes for b in self._blocks if b.resident and b.index not in self._pinned)
+
+    def _fetch(self, i: int, phase: Any, compute: Any) -> None:
+        """Refill block ``i``'s device storage from its host copy on the H2D stream."""
+        b = self._blocks[i]
+        if b.resident:
+            return
+        h2d = self.streams.h2d
+        cuda = not isinstance(h2d, NullStream)
+        if self.before_fetch is not None:
+            self.before_fetch(i, [s.tensor for s in b.slots])
+        with torch.profiler.record_function(f"tidal::stream.fetch[{i}]"), torch.no_grad():
+            with stream_context(compute):
+                for s in b.slots:
+                    s.tensor.untyped_storage().resize_(s.nbytes)
+                # why: the bytes just allocated may still be read by kernels queued on the compute stream
+                alloc_done = record_event(compute)
+            t0 = time.perf_counter()
+            with stream_context(h2d):
+                alloc_done.wait(h2d)  # why: see above — write only after those kernels finished
+                if cuda:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(h2d)
+                for s in b.slots:
+                    s.tensor.data.copy_(s.host, non_blocking=cuda)
+                if cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(h2d)
+                    self._timings.append((start, end))
+                # why: consumers (compute stream, release) must not touch the storage before the copy lands
+                b.ready = record_event(h2d)
+            if not cuda:
+                self._h2d_ms_cpu += (time.perf_counter() - t0) * 1e3
+        b.resident = True
+        self._h2d_bytes += b.nbytes
+        self._fetches += 1
+        self._record("fetch", i, phase)
+        self._drain_timings()
+
+    def _release(self, i: int, phase: Any) -> None:
+        b = self._blocks[i]
+        if not b.resident or i in self._pinned:
+            return
+        with torch.profiler.record_function(f"tidal::stream.release[{i}]"):
+            if b.ready is not None:
+                # why: a prefetched-but-unused block's copy may still be writing into the storage we free
+                b.ready.wait(b.compute if b.compute is not None else self.streams.compute())
+            for s in b.slots:
+                s.tensor.untyped_storage().resize_(0)
+        b.resident = False
+        b.ready = None
+        self._record("release", i, phase)
+
+    def _make_ready(self, i: int, phase: Any) -> None:
+        """Block ``i`` is about to compute: refill it if needed and make the compute stream wait for it."""
+        b = self._blocks[i]
+        compute = self.streams.compute()
+        b.compute = compute
+        if not b.resident:
+            self._demand_fetches += 1
+            t0 = time.perf_counter()
+            self._fetch(i, phase, compute)
+            if isinstance(compute, NullStream):
+                self._stall_ms_cpu += (time.perf_counter() - t0) * 1e3
+        if b.ready is not None:
+            if isinstance(compute, NullStream):
+                b.ready.wait(compute)
+            else:
+                t0e = torch.cuda.Event(enable_timing=True)
+                t0e.record(compute)
+                b.ready.wait(compute)  # why: the block's kernels read the weights the H2D copy writes
+                t1e = torch.cuda.Event(enable_timing=True)
+                t1e.record(compute)
+                self._stalls.append((t0e, t1e))
+            b.ready = None
+
+    def _prefetch(self, order: Sequence[int], compute: Any) -> None:
+        for j in order:
+            if j in self._pinned or self._blocks[j].resident:
+                continue
+            if self._n_resident() >= self.prefetch_ahead + 1:
+                return
+            cap = self.max_inflight_bytes
+            if cap is not None and self._streamed_resident_bytes() + self._blocks[j].nbytes > cap:
+                return
+            self._blocks[j].compute = compute
+            self._fetch(j, "prefetch", compute)
+
+    # ----------------------------------------------------------------------------------- hooks
+    def _make_pre_hook(self, i: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            in_bwd = torch._C._current_graph_task_id() != -1
+            self._make_ready(i, "backward" if in_bwd else "forward")
+            if not in_bwd:
+                n = len(self._blocks)
+                self._prefetch(range(i + 1, min(n, i + 1 + self.prefetch_ahead)), self._blocks[i].compute)
+
+        return pre_hook
+
+    def _make_post_hook(self, i: int) -> Callable[..., None]:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute inside backward: the backward hooks release this block
+            outs = _tensors_of(output) if torch.is_grad_enabled() else []
+            if outs:
+                # the handle lives as long as the graph does; no need to keep it
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda _g: self._pre_backward(i), mode="any"
+                )
+            self._release(i, "forward")
+
+        return post_hook
+
+    def _pre_backward(self, i: int) -> None:
+        """Block ``i``'s output gradients exist: its backward runs next, later blocks' backward is done."""
+        if not self._hooks:
+            return  # removed while a graph built under the hooks was still alive
+        task = torch._C._current_graph_task_id()
+        if task != self._bwd_task:
+            self._bwd_task = task
+            # release whatever is still resident once this backward pass has run
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for b in self._blocks[i + 1 :]:
+            self._release(b.index, "backward")
+        self._make_ready(i, "backward")
+        self._prefetch(range(i - 1, max(-1, i - 1 - self.prefetch_ahead), -1), self._blocks[i].compute)
+
+    def _end_backward(self) -> None:
+        self._bwd_task = -1
+        for b in self._blocks:
+            self._release(b.index, "backward")
+
+    # ----------------------------------------------------------------------------------- public
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied host → device so far (cheap; :meth:`stats` also syncs the timings)."""
+        return self._h2d_bytes
+
+    def block_bytes(self) -> list[int]:
+        """Device bytes of each block's parameters and buffers, in block order."""
+        return [b.nbytes for b in self._blocks]
+
+    def resident(self) -> tuple[int, ...]:
+        """Indices of the blocks whose device copy is filled now."""
+        return tuple(b.index for b in self._blocks if b.resident)
+
+    def set_resident(self, i: int, keep: bool) -> None:
+        """Hold block ``i`` on the device permanently (``keep=True``) or stream it again (call between
+        steps). Un-keeping writes its trainable parameters back to the host copy first."""
+        if not isinstance(i, int) or not 0 <= i < len(self._blocks):
+            raise StreamingError(
+                f"StreamedBlocks.set_resident: block index {i!r} is invalid; accepted: 0..{len(self) - 1}."
+            )
+        compute = self.streams.compute()
+        if keep:
+            self._fetch(i, "gather", compute)
+            self._make_ready(i, "gather")
+            self._pinned.add(i)
+            return
+        if i in self._pinned:
+            self._writeback([self._blocks[i]], compute)
+            self._pinned.discard(i)
+            self._release(i, "gather")
+
+    def kept_resident(self) -> tuple[int, ...]:
+        """Blocks held on the device permanently."""
+        return tuple(sorted(self._pinned))
+
+    def _writeback(self, blocks: Sequence[_Block], compute: Any) -> None:
+        with torch.no_grad(), stream_context(self.streams.d2h):
+            # why: the D2H copies read values the compute stream has just written
+            record_event(compute).wait(self.streams.d2h)
+            for b in blocks:
+                for s in b.slots:
+                    if s.trainable:
+                        s.host.copy_(s.tensor.data, non_blocking=False)
+
+    def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The host master copy of a streamed parameter or buffer (update it to change the weights)."""
+        for b in self._blocks:
+            for s in b.slots:
+                if s.tensor is tensor:
+                    return s.host
+        raise StreamingError(
+            "StreamedBlocks.host_tensor: the tensor given is not a parameter or buffer of the streamed "
+            "blocks; accepted: one of blocks[i].parameters()/buffers(). Fix: pass that very tensor object."
+        )
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = True) -> Iterator[None]:
+        """Fill every block on the device for the duration (e.g. a plain optimizer step).
+
+        Args:
+            writeback: Copy trainable parameters back to their host copies on exit, so updates persist.
+        """
+        compute = self.streams.compute()
+        for b in self._blocks:
+            self._fetch(b.index, "gather", compute)
+            self._make_ready(b.index, "gather")
+        try:
+            yield
+        finally:
+            if writeback:
+                self._writeback(self._blocks, compute)
+            for b in self._blocks:
+                self._release(b.index, "gather")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``h2d_bytes``, ``h2d_ms`` (copy time on the H2D stream), ``h2d_gbps``, ``stall_ms``
+        (time compute waited for weights), ``fetches``, ``demand_fetches`` (not prefetched in time),
+        ``resident_peak_blocks`` and ``resident_peak_bytes`` (of the streaming window, blocks kept
+        resident excluded), ``resident_now``, ``kept_resident``, ``block_bytes``, ``degraded``.
+
+        On CUDA this synchronizes the recorded timing events.
+        """
+        self._drain_timings(block=True)
+        h2d_ms = self._h2d_ms_cpu + self._h2d_ms_done
+        return {
+            "h2d_bytes": self._h2d_bytes,
+            "h2d_ms": h2d_ms,
+            "h2d_gbps": (self._h2d_bytes / (h2d_ms * 1e6)) if h2d_ms > 0 else 0.0,
+            "stall_ms": self._stall_ms_cpu + self._stall_ms_done,
+            "fetches": self._fetches,
+            "demand_fetches": self._demand_fetches,
+            "resident_peak_blocks": self._peak_blocks,
+            "resident_peak_bytes": self._peak_bytes,
+            "resident_now": self.resident(),
+            "kept_resident": self.kept_resident(),
+            "block_bytes": self.block_bytes(),
+            "prefetch_ahead": self.prefetch_ahead,
+            "degraded": list(self.host.degraded),
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the history (e.g. after warm-up)."""
+        self._drain_timings(block=True)
+        self._h2d_bytes = self._fetches = self._demand_fetches = 0
+        self._h2d_ms_cpu = self._stall_ms_cpu = self._h2d_ms_done = self._stall_ms_done = 0.0
+        self._peak_blocks = self._n_resident()
+        self._peak_bytes = self._streamed_resident_bytes()
+        self.history.clear()
+
+    def _drain_timings(self, block: bool = False) -> None:
+        for lst, attr in ((self._timings, "_h2d_ms_done"), (self._stalls, "_stall_ms_done")):
+            keep = []
+            for start, end in lst:
+                if block:
+                    end.synchronize()
+                if end.query():
+                    setattr(self, attr, getattr(self, attr) + start.elapsed_time(end))
+                else:
+                    keep.append((start, end))
+            lst[:] = keep
+
+    def remove(self) -> None:
+        """Remove the hooks and leave every block resident on the device (host copies dropped)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._pinned.clear()
+        compute = self.streams.compute()
+        for b in self._blocks:
+            self._fetch(b.index, "gather", compute)
+            self._make_ready(b.index, "gather")
+        # why: host buffers may be reused only after the last H2D copy out of them has finished
+        self.host.free_all(after=record_event(self.streams.h2d))
+        for b in self._blocks:
+            b.slots.clear()

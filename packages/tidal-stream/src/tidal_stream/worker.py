@@ -1,0 +1,84 @@
+"""The host worker: one thread running optimizer jobs in submission order, errors surfaced to the caller."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tidal_stream.errors import StreamError
+
+__all__ = ["HostWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class HostWorker:
+    """A FIFO of host jobs on one daemon thread.
+
+    Jobs run in submission order (the optimizer relies on it: a parameter's gradient lands before its
+    update). An exception stops further jobs; it is re-raised by :meth:`check` / :meth:`join` on the
+    submitting thread, and ``on_error`` is called once so waiters can be released.
+
+    Args:
+        device: the training device (the thread makes it current, so CUDA work it issues lands there).
+        on_error: called on the worker thread after the first failure.
+    """
+
+    def __init__(self, device: torch.device, on_error: Callable[[], None]) -> None:
+        self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue()
+        self._device = device
+        self._on_error = on_error
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tidal-host-adam", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        fn = args = None
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    fn, args = item
+                    fn(*args)
+            except BaseException as e:  # surfaced on the submitting thread by check()
+                log.exception("host optimizer job failed")
+                self.error = e
+                self._on_error()
+            finally:
+                item = fn = args = None  # drop the job's references now, not at the next job
+                self._q.task_done()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``."""
+        self.check()
+        self._q.put((fn, args))
+
+    def join(self) -> None:
+        """Block until every queued job has run; re-raise a job's failure."""
+        self._q.join()
+        self.check()
+
+    def check(self) -> None:
+        """Re-raise the first failure of a job, once; later jobs run again afterwards.
+
+        Jobs queued after the failure were skipped (their parameters keep their previous values and
+        state); the caller decides whether to retry the step.
+        """
+        err = self.error
+        if err is not None:
+            self.error = None
+            raise StreamError(f"the host optimizer failed: {err!r}") from err
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread."""
+        self._q.put(None)
+        self._thread.join()

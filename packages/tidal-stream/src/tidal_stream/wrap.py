@@ -1,0 +1,243 @@
+"""``wrap()`` / ``unwrap()`` / ``memory_report()``: the one-call entry point of tidal-stream.
+
+[Note: part-2 installer] weight streaming, activation offload, recompute and the attention backend are
+installed by ``tidal_stream.weights.install(session, model, options) -> object`` when that module
+exists (the returned object may have ``report() -> dict`` and ``remove()``); ``wrap()`` validates their
+options here and, while the module is missing, refuses non-default values with NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal_stream.errors import NotWrappedError, option_error
+from tidal_stream.optimizer import OffloadAdamW
+from tidal_stream.options import WrapOptions
+from tidal_stream.placement import decide_placement, refine_after_first_step
+from tidal_stream.session import Session
+
+__all__ = ["memory_report", "session_of", "unwrap", "wrap"]
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_tidal_session"
+
+
+def session_of(model: nn.Module) -> Session:
+    """The :class:`Session` ``wrap()`` attached to ``model``."""
+    s = getattr(model, _ATTR, None)
+    if s is None:
+        raise NotWrappedError(
+            f"{type(model).__name__} is not wrapped; accepted: a model returned by tidal_stream.wrap(). "
+            "Fix: call wrap(model, optimizer) first."
+        )
+    return s
+
+
+def _device_of(model: nn.Module, opts: WrapOptions) -> torch.device:
+    if opts.device is not None:
+        dev = torch.device(opts.device)
+    else:
+        first = next(model.parameters(), None)
+        dev = first.device if first is not None else torch.device("cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise option_error("device", opts.device, '"cpu" or "cuda[:N]"')
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise option_error(
+            "device", opts.device, '"cpu" here: torch sees no CUDA device', 'pass device="cpu".'
+        )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _hyper_from(optimizer: torch.optim.Optimizer | None, opts: WrapOptions) -> tuple[list[dict], bool]:
+    """Param groups (with hyper-parameters) of the given optimizer, and AdamW (True) vs Adam."""
+    if optimizer is None:
+        return [], True
+    if opts.lr is not None:
+        raise option_error("lr", opts.lr, "lr only when no optimizer is given", "set lr on your optimizer.")
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise option_error(
+            "optimizer",
+            type(optimizer).__name__,
+            "torch.optim.AdamW, torch.optim.Adam or None",
+            "build a torch.optim.AdamW over the model's parameters (or pass None and lr=).",
+        )
+    for g in optimizer.param_groups:
+        if g.get("amsgrad"):
+            raise option_error(
+                "optimizer.amsgrad", True, "False", "amsgrad is not supported by OffloadAdamW."
+            )
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.param_groups[0].get("decoupled_weight_decay", False)
+    )
+    groups = []
+    for g in optimizer.param_groups:
+        keep = ("params", "lr", "betas", "eps", "weight_decay", "maximize")
+        groups.append({k: v for k, v in g.items() if k in keep})
+        groups[-1]["params"] = list(g["params"])
+    return groups, decoupled
+
+
+def _part2(session: Session, model: nn.Module, opts: WrapOptions) -> None:
+    """Hand the part-2 options to their installer, or refuse non-default ones while it is missing."""
+    try:
+        mod = importlib.import_module("tidal_stream.weights")
+    except ImportError:
+        mod = None
+    install = getattr(mod, "install", None)
+    if install is None:
+        bad = opts.part2_non_default()
+        if bad:
+            raise NotImplementedError(
+                f"wrap(): option {bad[0]}={getattr(opts, bad[0])!r} needs weight/activation streaming, which "
+                "this build of tidal-stream does not provide yet. Fix: leave it at its default."
+            )
+        return
+    ext = install(session, model, opts)
+    if ext is not None:
+        session.extensions.append(ext)
+
+
+def _move_resident(session: Session, model: nn.Module) -> None:
+    """Move weights still elsewhere (a host-resident model) to the device; streamed ones stay on the host."""
+    dev = session.device
+    moved = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            for t in list(mod._parameters.values()):
+                if t is not None and t.device != dev and t.untyped_storage().nbytes() > 0:
+                    t.data = t.data.to(dev)  # the Parameter object stays; hooks and optimizer keep it
+                    moved += t.numel() * t.element_size()
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.device != dev:
+                    mod._buffers[name] = b.to(dev)
+                    moved += b.numel() * b.element_size()
+    if moved:
+        session.record("weights", f"moved {moved / 2**20:.1f} MiB of resident weights to {dev}", bytes=moved)
+
+
+def _install(
+    session: Session,
+    model: nn.Module,
+    opt: OffloadAdamW,
+    optimizer: torch.optim.Optimizer | None,
+    opts: WrapOptions,
+) -> None:
+    """After the optimizer read the weights: streaming, resident weights to the device, device state, guards."""
+    _part2(session, model, opts)
+    for ext in session.extensions:
+        if hasattr(ext, "host_tensor") and hasattr(ext, "set_before_fetch"):
+            n = opt.attach_streaming(ext)
+            if n:
+                session.record("optimizer", f"{n} streamed weights are updated in their host copies")
+    _move_resident(session, model)
+    opt.allocate_device_state()
+    if optimizer is not None:
+        migrated = [p for p, st in optimizer.state.items() if st]
+        for p in migrated:
+            opt._import_state(p, optimizer.state[p])
+        if migrated:
+            session.record("migrate", f"{type(optimizer).__name__} state of {len(migrated)} tensors migrated")
+    session.handles += opt.install_read_guards(model)
+    # a model state_dict must see the updated weights, not ones still in flight
+    session.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
+
+
+def wrap(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any
+) -> tuple[nn.Module, OffloadAdamW]:
+    """Train ``model`` with optimizer state and gradients in host memory; the loop stays unchanged.
+
+    Args:
+        model: the module to train (its weights stay on the device).
+        optimizer: a ``torch.optim.AdamW`` / ``Adam`` (hyper-parameters, param groups and state are
+            migrated) or None (an AdamW over the trainable parameters with ``lr=``).
+        **options: see :class:`tidal_stream.options.WrapOptions` (unknown names raise ValueError).
+
+    Returns:
+        ``(model, optimizer)``: the same model (hooks installed) and an :class:`OffloadAdamW`.
+    """
+    if not isinstance(model, nn.Module):
+        raise option_error("model", type(model).__name__, "a torch.nn.Module", "pass the model to train.")
+    opts = WrapOptions.from_kwargs(options)
+    if getattr(model, _ATTR, None) is not None:
+        raise option_error("model", type(model).__name__, "a model not wrapped yet", "call unwrap() first.")
+    device = _device_of(model, opts)
+    session = Session(model, opts, device)
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+        session.record("threads", f"host threads set to {opts.threads} (torch.set_num_threads)")
+    groups, decoupled = _hyper_from(optimizer, opts)
+    if not groups:
+        groups = [{"params": list(model.parameters())}]  # as torch.optim.AdamW(model.parameters())
+    trainable = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())
+    if not trainable:
+        raise option_error(
+            "model",
+            f"{type(model).__name__} with no trainable parameters",
+            "a module with at least one parameter that requires grad",
+            "set requires_grad=True on the parameters to train (or add adapters) before wrap().",
+        )
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    place = decide_placement(session, model, opts, trainable)
+    moment = place.moment_dtype
+    defaults = {"lr": opts.lr if opts.lr is not None else 1e-3}
+    opt = OffloadAdamW(
+        groups,
+        **defaults,
+        decoupled_weight_decay=decoupled,
+        session=session,
+        gpu_params=place.gpu_params,
+        accumulation_steps=opts.accumulation_steps,
+        max_grad_norm=opts.max_grad_norm,
+        moment_dtype=moment,
+        delayed_update=opts.delayed_update,
+        seed=opts.seed,
+        defer_device_state=True,
+    )
+    session.optimizer = opt
+    try:
+        _install(session, model, opt, optimizer, opts)
+    except BaseException:
+        opt.close()
+        session.close()
+        raise
+    if place.refine and opt.host_slots():
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        budget = opts.vram_budget_bytes
+        opt._after_first_update = lambda: refine_after_first_step(session, opt, baseline, weights, budget)
+    setattr(model, _ATTR, session)
+    session.record(
+        "wrap",
+        f"wrapped {type(model).__name__}: {sum(p.numel() for p in trainable) / 1e6:.2f} M trainable parameters "
+        f"on {device}, moments {moment}, accumulation {opts.accumulation_steps}, "
+        f"clip {opts.max_grad_norm}, delayed_update {opts.delayed_update}",
+    )
+    return model, opt
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Finish pending updates, remove every hook and release host memory; returns the plain model."""
+    session = session_of(model)
+    if session.optimizer is not None:
+        session.optimizer.close()
+    for ext in session.extensions:
+        if hasattr(ext, "remove"):
+            ext.remove()
+    session.close()
+    delattr(model, _ATTR)
+    return model
+
+
+def memory_report(model: nn.Module) -> dict[str, Any]:
+    """Bytes per tier, pinned bytes, H2D/D2H volumes and the decision log (``"events"``)."""
+    return session_of(model).report()

@@ -1,0 +1,322 @@
+"""OffloadAdamW through wrap(): parity with torch.optim.AdamW on CPU (and the GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from tidal_stream import memory_report, unwrap, wrap
+from tidal_testing import devices, max_abs_diff
+
+_spec = importlib.util.spec_from_file_location(
+    "tidal_stream_tinygpt", pathlib.Path(__file__).with_name("tinygpt.py")
+)
+tinygpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tinygpt)
+loss_fn, make_model = tinygpt.loss_fn, tinygpt.make_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": 0.1, "lr": 2e-3},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3},
+    ]
+
+
+def run_reference(device, steps=20, clip=None, accum=1, groups=False, sched=False, autocast=False):
+    model = make_model(device=device)
+    opt = torch.optim.AdamW(two_groups(model) if groups else model.parameters(), lr=1e-3)
+    lr_s = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
+    for step in range(steps):
+        for micro in range(accum):
+            loss_fn(model, step * accum + micro, device, autocast).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if lr_s:
+            lr_s.step()
+    return model
+
+
+def run_wrapped(device, steps=20, clip=None, accum=1, groups=False, sched=False, autocast=False, **kw):
+    model = make_model(device=device)
+    opt = torch.optim.AdamW(two_groups(model) if groups else model.parameters(), lr=1e-3)
+    model, opt = wrap(
+        model, opt, offload=True, max_grad_norm=clip, accumulation_steps=accum, attention=None, **kw
+    )
+    lr_s = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
+    for step in range(steps):
+        for micro in range(accum):
+            loss_fn(model, step * accum + micro, device, autocast).backward()
+            opt.step()
+            opt.zero_grad()
+        if lr_s:
+            lr_s.step()
+    opt.synchronize()
+    return model, opt
+
+
+def max_param_diff(a, b):
+    return max(max_abs_diff(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},
+        {"clip": 0.5},
+        {"accum": 2},
+        {"groups": True, "sched": True},
+        {"clip": 0.5, "accum": 2, "groups": True, "sched": True},
+    ],
+    ids=["plain", "clip", "accum", "groups-sched", "all"],
+)
+def test_parity_fp32(device, case):
+    ref = run_reference(device, **case)
+    got, opt = run_wrapped(device, **case)
+    d = max_param_diff(ref, got)
+    assert d < 1e-6, f"max |Δp| = {d}"
+    # the masters are fp32 copies in host buffers, distinct from the weights, and equal to them
+    for p in got.parameters():
+        if p.requires_grad:
+            master = opt.state[p]["master"]
+            assert master.data_ptr() != p.data_ptr()
+            assert max_abs_diff(master, p) == 0.0
+    rep = memory_report(got)
+    assert rep["d2h_bytes"] > 0 and rep["h2d_bytes"] > 0
+    assert rep["tiers"]["device"]["params"] == 0
+    unwrap(got)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+@pytest.mark.parametrize("device", devices())
+def test_bf16_autocast_masters(device, offload):
+    """bf16 weights + autocast vs torch AdamW on fp32 master weights whose bf16 copy runs the model."""
+    steps = 20
+    master_model = make_model(device=device, dtype=torch.bfloat16).float()  # fp32 masters, bf16 start
+    run_model = make_model(device=device, dtype=torch.bfloat16)
+    ref_opt = torch.optim.AdamW(master_model.parameters(), lr=1e-3)
+    wrapped = make_model(device=device, dtype=torch.bfloat16)
+    wrapped, opt = wrap(wrapped, None, lr=1e-3, offload=offload, attention=None)
+    for step in range(steps):
+        with torch.no_grad():
+            for p, q in zip(run_model.parameters(), master_model.parameters()):
+                p.copy_(q)
+        loss_fn(run_model, step, device, autocast=True).backward()
+        for p, q in zip(run_model.parameters(), master_model.parameters()):
+            if q.requires_grad:
+                q.grad = p.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        run_model.zero_grad()
+        loss_fn(wrapped, step, device, autocast=True).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    d = max(
+        max_abs_diff(opt.state[p]["master"], q)
+        for p, q in zip(wrapped.parameters(), master_model.parameters())
+        if q.requires_grad
+    )
+    assert d < 1e-6, f"max |Δmaster| = {d}"
+    # the bf16 weights are the masters rounded
+    for p in wrapped.parameters():
+        if p.requires_grad:
+            assert torch.equal(p, opt.state[p]["master"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_delayed_update_is_one_step_stale(device):
+    """delayed_update: the forward of step t sees weights updated through step t-2 (replayed with torch AdamW)."""
+    steps = 6
+    model, _ = run_wrapped(device, steps=steps, delayed_update=True)
+    # replay: a torch AdamW whose gradient at step t is taken at the weights of the delayed schedule
+    ref = make_model(device=device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    stale = make_model(device=device)  # the weights the forward of step t sees
+    for step in range(steps):
+        loss_fn(stale, step, device).backward()
+        for p, q in zip(ref.parameters(), stale.parameters()):
+            if p.requires_grad:
+                p.grad = q.grad.clone()
+        stale.zero_grad()
+        with torch.no_grad():  # forward of step t+1 sees the weights before update t
+            for p, q in zip(stale.parameters(), ref.parameters()):
+                p.copy_(q)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    d = max_param_diff(ref, model)
+    assert d < 1e-6, f"max |Δp| = {d}"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_bf16_moments_stochastic_rounding(device):
+    """bf16 moments track the fp32 run closely (not bit-exactly) and stay bf16 in the state."""
+    ref = run_reference(device, steps=10)
+    got, opt = run_wrapped(device, steps=10, moment_dtype="bf16")
+    st = next(iter(opt.state.values()))
+    assert st["exp_avg"].dtype == torch.bfloat16
+    d = max_param_diff(ref, got)
+    assert 0 < d < 1e-3, f"max |Δp| = {d}"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_split_placement_matches(device):
+    """Part of the state on the device (fused device AdamW), the rest on the host: same result."""
+    ref = run_reference(device, clip=1.0)
+    model = make_model(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = wrap(model, opt, offload=True, max_grad_norm=1.0, attention=None)
+    first = [p for p in model.parameters() if p.requires_grad][:5]
+    for step in range(20):
+        loss_fn(model, step, device).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            assert opt.move_to_device(first) == 5
+    opt.synchronize()
+    assert opt.memory_tiers()["device"]["params"] == sum(p.numel() for p in first)
+    assert max_param_diff(ref, model) < 1e-6
+
+
+def test_auto_on_cpu_is_fused_and_logged():
+    model, opt = wrap(make_model(), None, lr=1e-3)
+    ref = run_reference("cpu", steps=3)
+    for step in range(3):
+        loss_fn(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_param_diff(ref, model) < 1e-6
+    events = memory_report(model)["events"]
+    assert any(e["kind"] == "placement" and "fused" in e["message"] for e in events)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_parity_with_streamed_weights(device):
+    """Every block streamed (part 2): updates land in the host copies the refills read; same training."""
+    from tidal_stream import session_of
+
+    ref = run_reference(device, steps=5, clip=1.0)
+    model = make_model(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = wrap(
+        model, opt, offload=True, max_grad_norm=1.0, param_offload=True, blocks=model.blocks, attention=None
+    )
+    for step in range(5):
+        loss_fn(model, step, device).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    ext = session_of(model).extensions[0]
+    n_streamed = 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        host = ext.host_tensor(p)
+        n_streamed += host is not None
+        got = host.reshape(q.shape) if host is not None else p
+        assert max_abs_diff(got, q) < 1e-6
+    assert n_streamed == sum(1 for _ in model.blocks.parameters())
+    unwrap(model)
+
+
+@pytest.mark.gpu
+def test_gpu_split_then_measured_move_matches():
+    """A planned split on CUDA; the first step's measured peak moves the rest to the device; same result."""
+    from tidal_plan import HardwareProfile, PlanConfig, census, plan
+    from tidal_stream import memory_report
+
+    ref = run_reference("cuda", steps=10)
+    model = make_model(device="cuda")
+    c = census(model)
+    budget = "500KiB"  # synthetic: forces a split; the real device has room for everything
+    p = plan(
+        c,
+        HardwareProfile.synthetic(vram_budget_bytes=budget, device_free_bytes=budget),
+        PlanConfig(batch_tokens=64, headroom_bytes=0, param_offload=False),
+    )
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=p, attention=None)
+    assert opt.host_slots()
+    for step in range(10):
+        loss_fn(model, step, "cuda").backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert not opt.host_slots()  # measured: everything fits, plain fused AdamW on the device
+    msgs = [e["message"] for e in memory_report(model)["events"] if e["kind"] == "placement"]
+    assert any("measured first step" in m for m in msgs), msgs
+    assert max_param_diff(ref, model) < 1e-6
+
+
+def test_offload_adamw_without_wrap():
+    """OffloadAdamW used directly: its own session, guards installed by hand, parity with torch AdamW."""
+    from tidal_stream import OffloadAdamW
+
+    ref = run_reference("cpu", steps=5)
+    model = make_model()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3)
+    opt.install_read_guards(model)
+    for step in range(5):
+        loss_fn(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert max_param_diff(ref, model) < 1e-6
+    assert opt.session.optimizer is opt and opt.session.d2h_bytes > 0
+    opt.close()
+
+
+def test_weight_read_outside_its_module_is_guarded():
+    """A loss reading ``head.weight`` directly (as chunked losses do): detected, then waited for."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"emb": torch.nn.Embedding(64, 32), "head": torch.nn.Linear(32, 64)})
+
+    def loss_of(m, step):
+        idx, tgt = tinygpt.batch(step)
+        h = m["emb"](idx)  # [B, T, D]
+        logits = h @ m["head"].weight.T + m["head"].bias  # head's forward never runs
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tgt.reshape(-1))
+
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = wrap(model, None, lr=1e-2, offload=True, attention=None)
+    for step in range(6):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss_of(m, step).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert {id(s.param) for s in opt._unguarded.values()} == {id(p) for p in model["head"].parameters()}
+    assert max_param_diff(ref, model) < 1e-6
+
+
+def test_accumulation_steps_can_grow_between_steps():
+    """As the HF Trainer does: wrapped without accumulation, then 2 micro-steps per update."""
+    ref = run_reference("cpu", steps=4, accum=2)
+    model = make_model()
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload=True)
+    opt.accumulation_steps = 2
+    for step in range(4):
+        for micro in range(2):
+            loss_fn(model, step * 2 + micro).backward()
+            opt.step()
+            opt.zero_grad()
+    opt.synchronize()
+    assert max_param_diff(ref, model) < 1e-6
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        opt.accumulation_steps = 0

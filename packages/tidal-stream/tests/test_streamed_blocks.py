@@ -1,0 +1,239 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tidal_stream.streamed_blocks import SlotBudgetError, StreamedBlocks, StreamingError
+from tidal_testing import assert_bitwise_equal, devices
+
+torch.set_num_threads(1)
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with dropout, a frozen projection and a buffer used in forward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.frozen = nn.Linear(d, d, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
+        h = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return x + self.drop(h) * self.scale + self.frozen(x)
+
+
+class Model(nn.Module):
+    def __init__(self, d: int = 32, n: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).float().logsumexp(-1).mean()
+
+
+def make(dtype: torch.dtype, device: str, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = Model().to(dtype)
+    model = copy.deepcopy(ref)
+    ref.to(device)
+    model.embed.to(device)
+    model.head.to(device)
+    return ref, model
+
+
+def run_steps(ref, model, sb, device, steps=5):
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_s = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dtype = next(ref.parameters()).dtype
+    for step in range(steps):
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(step)).to(device, dtype)
+        torch.manual_seed(100 + step)
+        loss_r = ref(x)
+        loss_r.backward()
+        torch.manual_seed(100 + step)
+        loss_s = model(x)
+        loss_s.backward()
+        assert_bitwise_equal(loss_r.detach().reshape(1), loss_s.detach().reshape(1), f"loss step {step}")
+        for (name, pr), ps in zip(ref.named_parameters(), model.parameters()):
+            if pr.grad is None:
+                assert ps.grad is None, name
+                continue
+            assert_bitwise_equal(pr.grad, ps.grad, f"grad {name} step {step}")
+        assert sb.resident() == ()
+        opt_r.step()
+        opt_r.zero_grad()
+        with sb.gathered():
+            opt_s.step()
+        opt_s.zero_grad()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_training_bit_exact_over_five_steps(device, dtype, k):
+    ref, model = make(dtype, device)
+    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k)
+    run_steps(ref, model, sb, device)
+    # the streamed parameters are the very Parameter objects the optimizer holds, now on `device`
+    assert all(p.device.type == device for p in model.layers.parameters())
+
+
+def test_residency_bound_and_storage_released():
+    _, model = make(torch.float32, "cpu")
+    events = []
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, observer=events.append)
+    x = torch.randn(2, 6, 32)
+    model(x).backward()
+    assert max(len(e.resident) for e in events) == 2
+    fetched_fwd = [e.block for e in events if e.kind == "fetch" and e.phase in ("forward", "prefetch")][:5]
+    assert fetched_fwd == [0, 1, 2, 3, 4]
+    # backward re-fetches in reverse order
+    bwd = [e.block for e in events if e.kind == "fetch"][5:]
+    assert bwd == [4, 3, 2, 1, 0]
+    assert events == list(sb.history)
+    assert model.layers[2].up.weight.untyped_storage().nbytes() == 0
+    assert model.layers[2].scale.untyped_storage().nbytes() == 0
+    st = sb.stats()
+    total = sum(sb.block_bytes())
+    assert st["h2d_bytes"] == 2 * total
+    assert st["resident_peak_blocks"] == 2
+    assert st["demand_fetches"] == 2  # block 0 in forward, block 4 in backward; the rest prefetched
+    assert st["fetches"] == 10
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_residency_never_exceeds_prefetch_plus_one(k):
+    _, model = make(torch.float32, "cpu")
+    peak = []
+    sb = StreamedBlocks(
+        model.layers, "cpu", prefetch_ahead=k, observer=lambda e: peak.append(len(e.resident))
+    )
+    model(torch.randn(1, 3, 32)).backward()
+    assert max(peak) == k + 1
+    assert sb.stats()["resident_peak_blocks"] == k + 1
+
+
+def test_inference_matches_and_remove_restores():
+    ref, model = make(torch.float32, "cpu")
+    sb = StreamedBlocks(model.layers, "cpu")
+    x = torch.randn(3, 4, 32)
+    with torch.no_grad():
+        ref.eval(), model.eval()
+        assert_bitwise_equal(ref(x).reshape(1), model(x).reshape(1), "eval output")
+    assert sb.resident() == ()
+    sb.remove()
+    assert model.layers[0].up.weight.untyped_storage().nbytes() > 0
+    with torch.no_grad():
+        assert_bitwise_equal(ref(x).reshape(1), model(x).reshape(1), "after remove")
+
+
+def test_host_tensor_updates_next_fetch():
+    _, model = make(torch.float32, "cpu")
+    sb = StreamedBlocks(model.layers, "cpu")
+    w = model.layers[1].up.weight
+    host = sb.host_tensor(w)
+    assert host.shape == w.shape and host.abs().sum() > 0
+    host.mul_(2.0)
+    seen = []
+    model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(m.up.weight.detach().clone()))
+    with torch.no_grad():
+        model(torch.randn(1, 2, 32))
+    assert_bitwise_equal(seen[0], host, "refilled weight")
+    with pytest.raises(StreamingError, match="not a parameter or buffer"):
+        sb.host_tensor(model.head.weight)
+
+
+def test_slot_budget_error_names_option_and_need():
+    _, model = make(torch.float32, "cpu")
+    need = sum(p.numel() * 4 for p in model.layers[0].parameters()) + 32 * 4
+    with pytest.raises(SlotBudgetError, match=rf"slot_bytes=1000.*at least {need}"):
+        StreamedBlocks(model.layers, "cpu", slot_bytes=1000)
+    StreamedBlocks(model.layers, "cpu", slot_bytes=need)  # exactly enough is fine
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_prefetch_ahead(bad):
+    _, model = make(torch.float32, "cpu")
+    with pytest.raises(StreamingError, match="prefetch_ahead"):
+        StreamedBlocks(model.layers, "cpu", prefetch_ahead=bad)
+
+
+def test_shared_parameter_across_blocks_rejected():
+    _, model = make(torch.float32, "cpu")
+    model.layers[1].up = model.layers[0].up
+    with pytest.raises(StreamingError, match="shared by blocks 0 and 1"):
+        StreamedBlocks(model.layers, "cpu")
+
+
+def _peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("train", [False, True])
+def test_cuda_vram_peak_bound(k, train):
+    """peak(streamed) <= 1.1 x ((k + 1) blocks + the activations measured with every block resident)."""
+    device = "cuda"
+    torch.manual_seed(0)
+    d, n = 1024, 8
+    model = Model(d, n).to(torch.bfloat16)
+    model.layers.requires_grad_(False)  # frozen base: no weight gradients, backward still re-fetches
+    ref = copy.deepcopy(model).to(device)
+    model.embed.to(device)
+    model.head.to(device)
+    x = torch.randn(4, 256, d, device=device, dtype=torch.bfloat16, requires_grad=train)
+
+    def step(m):
+        def run():
+            if train:
+                m(x).backward()
+            else:
+                with torch.no_grad():
+                    m(x)
+
+        return run
+
+    weights = sum(t.numel() * t.element_size() for t in (*ref.layers.parameters(), *ref.layers.buffers()))
+    activations = _peak(step(ref))  # the resident run: its peak above the base is activations only
+    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k)
+    block = max(sb.block_bytes())
+    peak = _peak(step(model))
+    bound = 1.10 * ((k + 1) * block + activations)
+    print(
+        f"k={k} train={train}: streamed peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB "
+        f"(block {block / 2**20:.1f} MiB, activations {activations / 2**20:.1f} MiB, all weights "
+        f"{weights / 2**20:.1f} MiB), stats {sb.stats()}"
+    )
+    assert peak <= bound
+    assert sb.stats()["resident_peak_blocks"] == k + 1
+
+
+def test_host_copies_in_an_arena():
+    from tidal_arena import ArenaConfig, PinnedArena
+
+    ref, model = make(torch.float32, "cpu")
+    arena = PinnedArena(ArenaConfig(backend="pageable", slab_bytes=1 << 20))
+    sb = StreamedBlocks(model.layers, "cpu", arena=arena)
+    used = arena.stats().used_bytes
+    assert used >= sum(sb.block_bytes())
+    run_steps(ref, model, sb, "cpu", steps=2)
+    sb.remove()
+    assert arena.stats().used_bytes == 0
+    arena.close()

@@ -1,6 +1,0 @@
-import importlib
-
-
-def test_imports_and_version():
-    m = importlib.import_module("tidal")
-    assert m.__version__ == "0.1.0"

@@ -1,0 +1,156 @@
+"""plan -> stream -> quant: a planner-made plan handed to ``wrap()``, with exact and quantized frozen bases.
+
+Each scenario trains two copies of one small byte-level GPT on the same batches: the reference with
+``torch.optim.AdamW(fused=True)`` and no tidal, the other through ``tidal.wrap(..., plan=tidal.plan(...))`` under a
+budget at which the plan streams blocks. Losses and final weights must agree to fp32 round-off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tidal
+from tidal.demo.data import ByteBatches, stdlib_bytes
+from tidal.demo.lora import add_lora_
+from tidal.demo.model import GPTConfig, TinyGPT
+from tidal.demo.run import plan_options
+from tidal_testing import devices, max_abs_diff
+
+CFG = GPTConfig(d_model=48, n_layers=4, n_heads=4, max_seq_len=64)
+STEPS = 5
+BATCH, SEQ = 2, 32
+
+
+def _batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Windows of real text (the standard library's source), the same for every call."""
+    text, _ = stdlib_bytes(max_bytes=100_000)
+    data = ByteBatches(text, SEQ, BATCH, seed=1)
+    return [data.next(torch.device(device)) for _ in range(STEPS)]
+
+
+def _streaming_plan(model: torch.nn.Module, device: str):
+    """The plan at a budget between the least any placement needs and an all-resident run, with streaming."""
+    profile = tidal.profile_hardware(device)
+    cen = tidal.census(model)
+    headroom = 256 << 20 if device == "cuda" else 4096
+
+    def at(budget: int):
+        cfg = tidal.PlanConfig(vram_budget=budget, batch_tokens=BATCH * SEQ, headroom_bytes=headroom)
+        return tidal.plan(cen, profile, cfg)
+
+    try:
+        at(headroom + 1024)
+        raise AssertionError("1 KiB above the headroom cannot fit")
+    except tidal.InfeasiblePlan as exc:
+        low = exc.needed_bytes
+    for extra in (0.02, 0.05, 0.1, 0.2):
+        p = at(int(low * (1 + extra)))
+        if p.streamed_blocks:
+            return p
+    raise AssertionError("no budget near the minimum streams a block")
+
+
+def _model() -> TinyGPT:
+    """The small GPT with its attention-input biases frozen.
+
+    The key bias gets a gradient that is zero in exact arithmetic (softmax ignores a shift shared by
+    every key), so what it receives is rounding noise, and Adam scales noise up to steps of ~lr * g / eps.
+    On the GPU the host's CPU AdamW and the reference's CUDA AdamW round differently: from the first
+    step on, that noise differs, and so would those biases — by far more than the bound checked here.
+    """
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    for blk in model.blocks:
+        blk.qkv.bias.requires_grad_(False)
+    return model
+
+
+def _wrap(model: torch.nn.Module, opt: torch.optim.Optimizer, p, device: str):
+    """``wrap()`` carrying out the plan block by block (what ``tidal demo`` does)."""
+    return tidal.wrap(
+        model,
+        opt,
+        vram_budget=p.vram_budget_bytes,
+        device=device,
+        plan=p,
+        batch_tokens=BATCH * SEQ,
+        **plan_options(p, model.blocks),
+    )
+
+
+def _check_streamed(report: dict, p) -> None:
+    """The planned blocks were really streamed, every step, and gradients really left the device."""
+    ws = report["weight_streaming"]
+    assert ws["streamed"] == list(p.streamed_blocks)
+    streamed_bytes = sum(ws["block_bytes"][i] for i in p.streamed_blocks)
+    assert ws["h2d_bytes"] >= STEPS * streamed_bytes  # refilled at least once per step
+    assert report["d2h_bytes"] > 0
+
+
+def _reference_adamw(params, lr: float) -> torch.optim.Optimizer:
+    # fused: the same AdamW kernel tidal's host and device updates run. The default (foreach) kernel rounds
+    # differently, and Adam turns the rounding noise of gradients that are zero in exact arithmetic (the
+    # attention key bias) into updates of size ~lr * noise / eps, ~1e-5 after a few steps.
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()  # the last host update has landed in the weights
+    return losses
+
+
+def _compare(reference: torch.nn.Module, wrapped: torch.nn.Module, ref_losses, losses) -> None:
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (ref_losses, losses)
+    ref = dict(reference.named_parameters())
+    for name, p in tidal.unwrap(wrapped).named_parameters():
+        assert max_abs_diff(ref[name], p) < 1e-6, name
+
+
+@pytest.mark.parametrize("device", devices())
+def test_planned_full_fine_tune_matches_torch_adamw(device):
+    reference = _model().to(device)
+    model = copy.deepcopy(reference)
+    trainable = [q for q in reference.parameters() if q.requires_grad]
+    ref_losses = _train(reference, _reference_adamw(trainable, 1e-3), _batches(device))
+
+    p = _streaming_plan(model, device)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+    model, opt = _wrap(model, opt, p, device)
+    losses = _train(model, opt, _batches(device))
+    _check_streamed(tidal.memory_report(model), p)
+    _compare(reference, model, ref_losses, losses)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_base_with_lora_under_a_plan_matches_torch_adamw(device, fmt):
+    base = _model()
+    tidal.quantize_model_(base.blocks, fmt)  # frozen QuantLinear: packed bytes + scales are buffers
+    add_lora_(base.blocks, r=4)
+    reference = base.to(device)
+    model = copy.deepcopy(reference)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    ref_losses = _train(reference, _reference_adamw(trainable, 1e-2), _batches(device))
+
+    p = _streaming_plan(model, device)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+    model, opt = _wrap(model, opt, p, device)
+    losses = _train(model, opt, _batches(device))
+    _check_streamed(tidal.memory_report(model), p)
+    assert ref_losses[-1] < ref_losses[0]  # the adapters learn on a quantized base
+    _compare(reference, model, ref_losses, losses)
+    frozen = {n: b for n, b in reference.named_buffers()}
+    for n, b in model.named_buffers():
+        assert torch.equal(frozen[n], b), f"quantized buffer {n} changed"

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tidal_plan import PlanConfig, census, plan, profile_hardware
+from tidal_plan import PlanConfig, census, compare_prediction, plan, profile_hardware
 
 SMALL = dict(
     hidden_size=2048,
@@ -33,11 +33,13 @@ def _model(device):
 def test_meta_census_matches_the_gpu_measurement():
     meta = census(_model("meta"))
     real = census(_model("cuda"))
-    assert real.activation_source == "measured"
+    assert meta.activation_source == "meta-trace" and real.activation_source == "measured"
     a, b = meta.blocks[0].activation_bytes_per_token, real.blocks[0].activation_bytes_per_token
     print(f"\nactivation bytes/token/block: meta trace {a}, measured on the GPU {b}")
-    # The meta trace stands in a fused attention kernel; what may differ is transformers' dispatch
-    # (k and v expanded to every head before the kernel, or not) and the kernel's fp32 log-sum-exp.
+    # The meta trace stands in a fused attention kernel and follows transformers' dispatch for an unpadded
+    # batch (no mask: k and v grouped); what may still differ is that dispatch (k and v expanded to every
+    # head before the kernel, or not: transformers 4.x expands on the meta device) and the kernel's fp32
+    # log-sum-exp. Both meta and real censuses must come from traces, never the heuristic.
     heads, kv_heads, head_dim = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], 128
     assert abs(a - b) <= 2 * (heads - kv_heads) * head_dim * 2 + heads * 4
     assert meta.total_bytes == real.total_bytes
@@ -65,7 +67,5 @@ def test_plain_gpu_step_prediction_is_a_close_floor(tmp_path, monkeypatch):
         if i >= 3:  # after warm-up
             times.append(time.perf_counter() - t0)
     measured = statistics.median(times)
-    print(
-        f"\n{p.explain()}\nmeasured step {measured * 1e3:.1f} ms; measured/predicted {measured / p.prediction.step_s:.2f}"
-    )
+    print(f"\n{p.explain()}\n{compare_prediction(p, measured)['summary']}")
     assert measured >= 0.9 * p.prediction.step_s  # nothing beats the FLOPs at the measured matmul rate

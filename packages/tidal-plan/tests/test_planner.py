@@ -5,7 +5,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tidal_plan import HardwareProfile, InfeasiblePlan, Plan, PlanConfig, PlanConfigError, plan
+from tidal_plan import (
+    HardwareProfile,
+    InfeasiblePlan,
+    Plan,
+    PlanConfig,
+    PlanConfigError,
+    compare_prediction,
+    plan,
+)
 from tidal_plan.units import GiB
 
 
@@ -297,3 +305,23 @@ def test_any_plan_fits_or_is_refused_with_numbers(qwen1_5b_census, budget_gib, r
         return
     _check_invariants(p, budget, ram_gb * 10**9)
     assert p.prefetch_depth == depth
+
+
+def test_compare_prediction_against_a_measured_step(qwen14b_lora_census):
+    p = plan(qwen14b_lora_census, _h200("24GiB", 128 * 10**9), PlanConfig())
+    pred = p.prediction.step_s
+    # Up to 25 % either side of the measured time is in; beyond it is out.
+    for measured, within in ((pred, True), (pred / 1.24, True), (pred / 0.76, True)):
+        r = compare_prediction(p, measured)
+        assert r["within_25pct"] is within, r
+    slow = compare_prediction(p, pred / 0.74)  # measured much slower: the model is optimistic
+    assert not slow["within_25pct"] and slow["error"] == pytest.approx(-0.26) and slow["ratio"] > 1
+    fast = compare_prediction(p, pred / 1.26)
+    assert not fast["within_25pct"] and fast["error"] == pytest.approx(0.26) and fast["ratio"] < 1
+    assert slow["predicted_step_s"] == pred and slow["bound"] == p.prediction.bound
+    assert slow["compute_s"] + slow["exposed_transfer_s"] + slow["exposed_optimizer_s"] == pytest.approx(pred)
+    assert "outside +-25 %" in slow["summary"] and "measured/predicted 1.35" in slow["summary"]
+    json.dumps(slow)  # benchmarks store it as is
+    for bad in (0, -1.0, float("nan"), float("inf"), "1s", True):
+        with pytest.raises(PlanConfigError, match="measured_step_s="):
+            compare_prediction(p, bad)

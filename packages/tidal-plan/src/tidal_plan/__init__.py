@@ -5,7 +5,7 @@ from tidal_plan.census import BlockCensus, ModelCensus, census
 from tidal_plan.config import FORMATS, PlanConfig
 from tidal_plan.errors import InfeasiblePlan, PlanConfigError, PlanError
 from tidal_plan.hardware import UNLIMITED, HardwareProfile, profile_hardware
-from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan, StepPrediction
+from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan, StepPrediction, compare_prediction
 from tidal_plan.planner import plan
 from tidal_plan.units import format_bytes, parse_bytes
 
@@ -25,6 +25,7 @@ __all__ = [
     "StepPrediction",
     "__version__",
     "census",
+    "compare_prediction",
     "format_bytes",
     "parse_bytes",
     "plan",

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,10 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # [B, H, T, Dv]
+        # The kernels write the output token-major and return it transposed, so the caller's
+        # transpose(1, 2).reshape(B, T, H * Dv) for the output projection is a view, not a copy.
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)  # [B, H, T, Dv], token-major
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # [B, H, T]
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -92,22 +96,56 @@ def _capture_block_inputs(
         captured["args"], captured["kwargs"] = args, kwargs
         raise _Captured
 
+    device = _model_device(model)
     if example_inputs is None:
-        example_inputs = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device=_model_device(model))}
+        example_inputs = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device=device)}
     kwargs = dict(example_inputs)
     if _accepts(model.forward, "use_cache") and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
+    answers = _PlainBatchAnswers() if device.type == "meta" else None
     handle = first.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.no_grad():
+        with contextlib.suppress(_Captured), torch.no_grad(), answers or contextlib.nullcontext():
             model(**kwargs)
-    except _Captured:
-        pass
     finally:
         handle.remove()
+    if answers is not None and answers.answered:
+        logger.debug(
+            "meta forward asked %d yes/no questions of tensor values; answered yes", answers.answered
+        )
     if "args" not in captured:
         raise RuntimeError("the model's forward returned without calling its first block")
     return captured["args"], captured["kwargs"]
+
+
+class _PlainBatchAnswers(TorchDispatchMode):
+    """Answer the yes/no questions a model's forward asks of a meta tensor's values with "yes".
+
+    [Note: transformers 5 reads values while it builds the causal mask: "is every position id one
+    more than the last" (no packed sequences) and "is every token attended" (no padding). A meta
+    tensor has no values, so ``bool()`` / ``.item()`` raise. Meta inputs stand for one unpadded
+    sequence with positions 0..T-1, for which the true answer to each such question is yes; that
+    leads transformers down the path the GPU takes for the same batch (no mask tensor, SDPA's
+    ``is_causal``, grouped k/v). Only boolean scalars are answered, and only while the forward runs
+    up to the first block; any other value read still raises.]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+        """How many boolean reads were answered."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        t = args[0] if args else None
+        if (
+            func is torch.ops.aten._local_scalar_dense.default
+            and isinstance(t, torch.Tensor)
+            and t.device.type == "meta"
+            and t.dtype == torch.bool
+        ):
+            self.answered += 1
+            return True
+        return func(*args, **(kwargs or {}))
 
 
 def _first_tensor(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool, Any]:

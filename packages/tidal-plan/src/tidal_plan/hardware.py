@@ -43,9 +43,20 @@ class HardwareProfile:
     device_total_bytes: int
     """Total device memory (host RAM for a CPU profile)."""
     device_free_bytes: int
-    """Free device memory when profiled (available host RAM for a CPU profile)."""
+    """Free device memory the driver reported when profiled (``torch.cuda.mem_get_info``; available
+    host RAM for a CPU profile). Memory torch's caching allocator already holds is not in it."""
+    device_allocatable_bytes: int
+    """Bytes this process could still allocate when profiled: ``device_free_bytes`` plus what torch's
+    caching allocator holds but has not handed out (it reuses those blocks, or frees them and retries),
+    capped by ``torch.cuda.set_per_process_memory_fraction`` (fraction x total, less what is allocated).
+    It can exceed ``device_free_bytes`` when torch has cached memory; equal to it on the CPU."""
     vram_budget_bytes: int
-    """Bytes tidal may use on the device: explicit budget, else free memory under the per-process fraction minus headroom."""
+    """Bytes tidal may use on the device. Derived: ``device_allocatable_bytes`` minus the headroom, so
+    it never exceeds what can be allocated. Explicit (``vram_budget=``): taken as given, after a check
+    that it fits in what this process can hold at once (what it has allocated plus what it can still
+    allocate) and in the device total; it may exceed ``device_allocatable_bytes`` when the process
+    already holds tensors the plan counts (weights loaded before planning, a filler simulating a smaller
+    card)."""
     host_ram_bytes: int
     """Host RAM available to this process (explicit override, else MemAvailable)."""
     pagelock_limit_bytes: int
@@ -89,7 +100,8 @@ class HardwareProfile:
 
         Args:
             **overrides: Any field; ``*_bytes`` fields also accept strings like ``"24GiB"``.
-                ``vram_budget_bytes`` defaults to the free memory minus 1 GiB.
+                ``device_allocatable_bytes`` defaults to ``device_free_bytes`` (nothing cached) and
+                ``vram_budget_bytes`` to the allocatable memory minus 1 GiB.
         """
         total = int(139.8 * GiB)
         base: dict[str, Any] = dict(
@@ -98,6 +110,7 @@ class HardwareProfile:
             compute_capability=(9, 0),
             device_total_bytes=total,
             device_free_bytes=total,
+            device_allocatable_bytes=None,
             vram_budget_bytes=None,
             host_ram_bytes=128 * 10**9,
             pagelock_limit_bytes=UNLIMITED,
@@ -119,8 +132,10 @@ class HardwareProfile:
         for k, v in list(base.items()):
             if k.endswith("_bytes") and isinstance(v, str):
                 base[k] = parse_bytes(v, option=k)
+        if base["device_allocatable_bytes"] is None:
+            base["device_allocatable_bytes"] = base["device_free_bytes"]
         if base["vram_budget_bytes"] is None:
-            base["vram_budget_bytes"] = max(0, base["device_free_bytes"] - GiB)
+            base["vram_budget_bytes"] = max(0, base["device_allocatable_bytes"] - GiB)
         return cls(**base)
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,7 +173,7 @@ class HardwareProfile:
         lines = [
             f"device      {self.device_name} ({self.device_kind}{cc}); low-precision tensor cores: {kinds}",
             f"memory      total {format_bytes(self.device_total_bytes)}, free {format_bytes(self.device_free_bytes)}, "
-            f"budget {format_bytes(self.vram_budget_bytes)}",
+            f"allocatable {format_bytes(self.device_allocatable_bytes)}, budget {format_bytes(self.vram_budget_bytes)}",
             f"host        RAM {format_bytes(self.host_ram_bytes)}, page-lock limit {lock}, {self.host_threads} threads",
             f"link        H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f} GB/s, both {self.bidir_gbps:.1f} GB/s",
             f"compute     bf16 matmul {self.matmul_tflops:.4g} TFLOP/s; host AdamW "
@@ -194,8 +209,9 @@ def profile_hardware(
         device: ``"cuda"``, ``"cuda:N"``, ``"cpu"``, or ``None`` for CUDA when available, else the CPU.
         quick: Short measurements (under 3 s in all) instead of longer, steadier ones.
         force: Re-measure even when a cached profile exists.
-        vram_budget: Explicit device budget (bytes or ``"24GiB"``); else free memory under
-            ``torch.cuda.set_per_process_memory_fraction`` minus ``headroom``.
+        vram_budget: Explicit device budget (bytes or ``"24GiB"``), at most what this process can hold
+            at once; else the allocatable memory (free plus torch's unused cache, under
+            ``torch.cuda.set_per_process_memory_fraction``) minus ``headroom``.
         host_ram: Explicit host RAM (on some VMs MemTotal grows as memory is touched, so the kernel's
             figure can be wrong); else MemAvailable.
         headroom: Bytes kept free on the device when the budget is derived (CUDA workspaces, fragmentation).
@@ -235,9 +251,14 @@ def profile_hardware(
         name, cc = props.name, (props.major, props.minor)
         free, total = torch.cuda.mem_get_info(idx)
         usable = measure.cuda_usable_bytes(idx, free, total, notes)
-        if budget_b is not None and budget_b > total:
+        held = torch.cuda.memory_allocated(idx)
+        if budget_b is not None and budget_b > min(total, held + usable):
             raise PlanConfigError(
-                "vram_budget", vram_budget, f"at most the device's {format_bytes(total)}", "lower the budget"
+                "vram_budget",
+                vram_budget,
+                f"at most {format_bytes(min(total, held + usable))}: this process holds {format_bytes(held)} "
+                f"and can allocate {format_bytes(usable)} more (device total {format_bytes(total)})",
+                "lower the budget, free device memory, or raise the per-process memory fraction",
             )
         budget = budget_b if budget_b is not None else max(0, usable - headroom_b)
         fp8, fp4 = cc >= (8, 9), cc >= (10, 0)
@@ -245,6 +266,7 @@ def profile_hardware(
     else:
         name, cc = measure.cpu_name(), None
         total, free = measure.host_ram_total(), host_b
+        usable = free
         budget = budget_b if budget_b is not None else max(0, host_b - headroom_b)
         fp8 = fp4 = False
         key_parts = [name, "cpu", torch.__version__]
@@ -280,6 +302,7 @@ def profile_hardware(
         compute_capability=cc,
         device_total_bytes=int(total),
         device_free_bytes=int(free),
+        device_allocatable_bytes=int(usable),
         vram_budget_bytes=int(budget),
         host_ram_bytes=int(host_b),
         pagelock_limit_bytes=_pagelock_limit(),

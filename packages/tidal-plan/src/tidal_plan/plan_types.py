@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tidal_plan.errors import PlanConfigError
 from tidal_plan.units import format_bytes
 
-__all__ = ["BlockPlan", "OptimizerPlan", "Plan", "StepPrediction"]
+_TOLERANCE = 0.25
+"""The cost model's target: predicted step time within +-25 % of the measured one."""
+
+__all__ = ["BlockPlan", "OptimizerPlan", "Plan", "StepPrediction", "compare_prediction"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,12 @@ class StepPrediction:
     exposed_optimizer_s: float
     """The part of the host AdamW that backward cannot hide."""
     step_s: float
-    """compute + exposed transfer + exposed optimizer."""
+    """Predicted seconds of one steady-state training step: ``compute_s + exposed_transfer_s +
+    exposed_optimizer_s``. A step is forward, backward (recompute included) and the optimizer
+    update for ``Plan.batch_tokens`` tokens, after warm-up (first-use compilation, pinned-memory
+    reservation and the first fetches are not in it), without data loading. Compare it with the
+    median wall time of several such steps, each bracketed by ``torch.cuda.synchronize()``, using
+    :func:`compare_prediction`."""
     bound: Literal["compute", "pcie", "host_adamw", "host_ram"]
     """The resource that bounds the step."""
 
@@ -91,7 +101,7 @@ class Plan:
     tiers: dict[str, int]
     """Bytes planned per tier: ``"vram"``, ``"pinned_host"``, ``"pageable_host"``."""
     prediction: StepPrediction
-    """Predicted step time."""
+    """Predicted step time (``prediction.step_s``) and its parts and bound; see :class:`StepPrediction`."""
     vram_budget_bytes: int = 0
     """The device budget planned against (headroom included)."""
     host_ram_bytes: int = 0
@@ -171,6 +181,57 @@ class Plan:
         d["prediction"] = StepPrediction(**d["prediction"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
+
+
+def compare_prediction(plan: Plan, measured_step_s: float) -> dict[str, Any]:
+    """Set a measured step time beside the plan's prediction (for benchmarks to print and check).
+
+    Args:
+        plan: The plan the run was made with.
+        measured_step_s: Median seconds of steady-state steps (see :attr:`StepPrediction.step_s`).
+
+    Returns:
+        A JSON-ready dict: ``predicted_step_s``, ``measured_step_s``; ``ratio`` = measured / predicted;
+        ``error`` = (predicted - measured) / measured (negative: the model is optimistic);
+        ``within_25pct`` = ``abs(error) <= 0.25``; ``bound``, the predicted parts (``compute_s``,
+        ``exposed_transfer_s``, ``exposed_optimizer_s``), ``batch_tokens``; and ``summary``, one line.
+
+    Raises:
+        PlanConfigError: ``measured_step_s`` is not a positive finite number.
+    """
+    if (
+        isinstance(measured_step_s, bool)
+        or not isinstance(measured_step_s, (int, float))
+        or not math.isfinite(measured_step_s)
+        or measured_step_s <= 0
+    ):
+        raise PlanConfigError(
+            "measured_step_s",
+            measured_step_s,
+            "positive finite seconds",
+            "pass the median step time in seconds",
+        )
+    p = plan.prediction
+    measured = float(measured_step_s)
+    error = (p.step_s - measured) / measured
+    within = abs(error) <= _TOLERANCE
+    return {
+        "predicted_step_s": p.step_s,
+        "measured_step_s": measured,
+        "ratio": measured / p.step_s if p.step_s > 0 else math.inf,
+        "error": error,
+        "within_25pct": within,
+        "bound": p.bound,
+        "compute_s": p.compute_s,
+        "exposed_transfer_s": p.exposed_transfer_s,
+        "exposed_optimizer_s": p.exposed_optimizer_s,
+        "batch_tokens": plan.batch_tokens,
+        "summary": (
+            f"step predicted {p.step_s * 1e3:.1f} ms ({p.bound}-bound), measured {measured * 1e3:.1f} ms: "
+            f"measured/predicted {measured / p.step_s if p.step_s > 0 else math.inf:.2f}, "
+            f"error {error:+.0%} ({'within' if within else 'outside'} +-25 %)"
+        ),
+    }
 
 
 def _key(b: BlockPlan) -> tuple:

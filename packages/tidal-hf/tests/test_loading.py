@@ -1,0 +1,215 @@
+"""load_model: exact state dicts from sharded checkpoints, quantize-while-reading, random shapes, refusals,
+and peak host memory on a ~1 GB checkpoint (measured in a subprocess)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tidal_hf import load_model
+from tidal_hf.errors import CheckpointError, OptionError
+from tidal_quant import QuantLinear, quantize_model_
+
+_spec = importlib.util.spec_from_file_location(
+    "tidal_hf_conftest", pathlib.Path(__file__).with_name("conftest.py")
+)
+_conf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conf)
+make_tiny = _conf.make_tiny
+
+
+@pytest.fixture
+def saved(arch, tmp_path):
+    model = make_tiny(arch, seed=11)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    return model, tmp_path
+
+
+def test_sharded_state_dict_is_exact(saved):
+    model, path = saved
+    got = load_model(path, quantize=None, dtype=torch.float32, progress=False, device="cpu")
+    want = model.state_dict()
+    have = got.state_dict()
+    assert want.keys() == have.keys()
+    for k in want:
+        assert want[k].dtype == have[k].dtype and torch.equal(want[k], have[k]), k
+    if model.config.tie_word_embeddings:
+        assert got.get_output_embeddings().weight is got.get_input_embeddings().weight
+
+
+def test_quantize_while_reading_equals_quantize_model(saved):
+    model, path = saved
+    got = load_model(path, quantize="nf4", dtype=torch.float32, progress=False, device="cpu")
+    stack = "transformer.h." if model.config.model_type == "gpt2" else "model.layers."
+    ref = quantize_model_(model, "nf4", filter=lambda n, m: n.startswith(stack))
+    assert ref.state_dict().keys() == got.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, got.state_dict()[k]), k
+    n_quant = sum(isinstance(m, QuantLinear) for m in got.modules())
+    assert n_quant == (0 if model.config.model_type == "gpt2" else 14)  # GPT-2 blocks use Conv1D
+    assert type(got.get_output_embeddings()) is torch.nn.Linear
+
+
+def test_bf16_cast(tmp_path):
+    model = make_tiny("llama", seed=2)
+    model.save_pretrained(tmp_path)
+    got = load_model(tmp_path, quantize=None, dtype=torch.bfloat16, progress=False, device="cpu")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.to(torch.bfloat16), got.state_dict()[k]), k
+
+
+def test_random_weights_exact_shapes():
+    from tidal_hf import tiny_config
+
+    cfg = tiny_config("qwen2")
+    got = load_model(cfg, random_weights=True, quantize="int8", device="cpu", progress=False, seed=3)
+    ref = make_tiny("qwen2")
+    quantize_model_(ref, "int8", filter=lambda n, m: n.startswith("model.layers."))
+    assert {k: tuple(v.shape) for k, v in ref.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in got.state_dict().items()
+    }
+    w = got.model.embed_tokens.weight.float()
+    assert 0.01 < w.std().item() < 0.04  # the model's initializer_range (0.02)
+    norm = got.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    again = load_model(cfg, random_weights=True, quantize="int8", device="cpu", progress=False, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), again.state_dict().values()))
+
+
+def test_refusals(tmp_path):
+    model = make_tiny("llama")
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_model(tmp_path, progress=False, device="cpu")
+    got = load_model(
+        tmp_path, quantize=None, dtype=torch.float32, allow_pickle=True, progress=False, device="cpu"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), got.state_dict().values()))
+    with pytest.raises(CheckpointError, match="local"):
+        load_model("no-such-org/no-such-model-xyz", progress=False)
+    with pytest.raises(OptionError, match="quantize"):
+        load_model(tmp_path, quantize="int3", allow_pickle=True, progress=False, device="cpu")
+    with pytest.raises(OptionError, match="dtype"):
+        load_model(tmp_path, dtype=torch.int8, progress=False)
+    with pytest.raises(OptionError, match="random_weights"):
+        load_model(model.config, progress=False)
+
+
+def test_incomplete_checkpoint(tmp_path):
+    model = make_tiny("mistral")
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / victim).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_model(tmp_path, progress=False, device="cpu")
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import os, resource, sys, torch
+    torch.set_num_threads(2)
+    from tidal_hf import load_model
+    import transformers, accelerate  # imported before the baseline is taken
+    base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
+    m = load_model(sys.argv[1], quantize=None, dtype=torch.bfloat16, progress=False, device="cpu")
+    model_bytes = sum(t.nbytes for t in m.state_dict().values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(model_bytes, peak - base)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not pathlib.Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
+def test_peak_rss_of_a_1gb_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    from tidal_hf import tiny_config
+
+    cfg = tiny_config(
+        "llama",
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=36,
+        vocab_size=16000,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    g = torch.Generator().manual_seed(0)
+    from tidal_hf.loading import _meta_model
+
+    meta = _meta_model(cfg, torch.bfloat16)
+    names = list(meta.state_dict().keys())
+    shard, n = {}, 0
+    for i, name in enumerate(names):  # ~1 GB of bf16 in shards of ~256 MB, written one shard at a time
+        t = meta.state_dict()[name]
+        shard[name] = torch.randn(t.shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        if sum(v.nbytes for v in shard.values()) > 2**28 or i == len(names) - 1:
+            save_file(shard, str(tmp_path / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+            shard, n = {}, n + 1
+    cfg.save_pretrained(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    model_bytes, grown = map(int, out.stdout.split()[-2:])
+    assert model_bytes > 0.9e9
+    print(f"load_model peak RSS growth {grown / model_bytes:.3f}x of {model_bytes / 1e9:.2f} GB")
+    assert grown <= 1.3 * model_bytes, grown / model_bytes
+
+
+@pytest.mark.gpu
+def test_cuda_load_equals_cpu_load(tmp_path):
+    model = make_tiny("qwen2", seed=6, hidden_size=128, intermediate_size=256)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    for fmt in (None, "nf4", "int8"):
+        cpu = load_model(tmp_path, quantize=fmt, dtype=torch.bfloat16, progress=False, device="cpu")
+        gpu = load_model(tmp_path, quantize=fmt, dtype=torch.bfloat16, progress=False, device="cuda")
+        for k, v in cpu.state_dict().items():
+            got = gpu.state_dict()[k]
+            assert got.device.type == "cuda" and torch.equal(v, got.cpu()), (fmt, k)
+    rnd = load_model(model.config, random_weights=True, quantize="nf4", device="cuda", progress=False)
+    assert all(t.device.type == "cuda" for t in rnd.state_dict().values())
+
+
+def test_quantize_auto_follows_the_plan():
+    from tidal_hf import qwen25_config
+    from tidal_hf.loading import _choose_format, _meta_model
+    from tidal_plan import HardwareProfile
+
+    meta = _meta_model(qwen25_config("14b"), torch.bfloat16)
+    cuda = torch.device("cuda")
+    big = HardwareProfile.synthetic(vram_budget_bytes="139GiB")
+    small = HardwareProfile.synthetic(vram_budget_bytes="24GiB")
+    assert _choose_format(meta, "auto", cuda, big) is None  # 28 GB of bf16 fits: stays exact
+    assert _choose_format(meta, "auto", cuda, small) in ("int8", "nf4")  # it does not fit 24 GiB
+    assert all(p.requires_grad for p in meta.parameters())  # flags restored
+    assert _choose_format(meta, "auto", torch.device("cpu")) is None
+
+
+def test_hub_id_from_the_local_cache_only(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    model = make_tiny("llama", seed=8)
+    snapshot = tmp_path / "models--tidal-test--tiny" / "snapshots" / ("a" * 40)
+    model.save_pretrained(snapshot)
+    (tmp_path / "models--tidal-test--tiny" / "refs").mkdir()
+    (tmp_path / "models--tidal-test--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    got = load_model("tidal-test/tiny", quantize=None, dtype=torch.float32, progress=False, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), got.state_dict().values()))
+    with pytest.raises(CheckpointError, match="no download"):
+        load_model("tidal-test/not-cached", progress=False, device="cpu")

@@ -34,7 +34,7 @@ PACKAGES: dict[str, dict[str, list[str]]] = {
 }
 TORCH_VERSIONS = ["2.13", "2.14"]
 TRANSFORMERS_VERSIONS = ["4.57", "5"]
-TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "hypothesis>=6", "numpy"]
+TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "pytest-benchmark", "hypothesis>=6", "numpy"]
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "TIDAL_REQUIRE_GPU": "0"}
 
 
@@ -92,11 +92,12 @@ def tests_hf(session: nox.Session, transformers: str) -> None:
 @nox.session
 def tests_all(session: nox.Session) -> None:
     """Every package installed together: all package tests, tests-integration/ and the harness tests."""
-    # bitsandbytes: the NF4 byte-identity test runs on its CPU backend wherever it is installed
+    # bitsandbytes: the NF4 byte-identity test runs on its CPU backend; triton: the kernels run in its
+    # interpreter (TRITON_INTERPRET=1) against the pure-torch reference, so CPU CI checks them too
     _install(
         session,
         list(PACKAGES),
-        [*PACKAGES["tidal"]["extra"], "safetensors", "matplotlib", "tqdm", "bitsandbytes==0.50.2"],
+        [*PACKAGES["tidal"]["extra"], "safetensors", "matplotlib", "tqdm", "bitsandbytes==0.50.2", "triton"],
     )
     _pytest(session, "packages", "tests-integration", "benchmarks/tests")
 

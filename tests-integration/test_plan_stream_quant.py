@@ -1,8 +1,10 @@
 """plan -> stream -> quant: a planner-made plan handed to ``wrap()``, with exact and quantized frozen bases.
 
 Each scenario trains two copies of one small byte-level GPT on the same batches: the reference with
-``torch.optim.AdamW(fused=True)`` and no tidal, the other through ``tidal.wrap(..., plan=tidal.plan(...))`` under a
-budget at which the plan streams blocks. Losses and final weights must agree to fp32 round-off.
+``torch.optim.AdamW(fused=True)`` on host copies and no tidal, the other through
+``tidal.wrap(..., plan=tidal.plan(...))`` under a budget at which the plan streams blocks. The plan puts every
+update on the host (``offload=True``), so both sides run the same AdamW kernel (see ``_reference.py``);
+losses and final weights must agree to fp32 round-off.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from _reference import ATTENTION, HostAdamW, reference_attention
 
 import tidal
 from tidal.demo.data import ByteBatches, stdlib_bytes
@@ -32,25 +35,40 @@ def _batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _streaming_plan(model: torch.nn.Module, device: str):
-    """The plan at a budget between the least any placement needs and an all-resident run, with streaming."""
+    """The planner's plan at a budget where only streaming fits, every update on the host, with the
+    device's measured profile.
+
+    Two bounds from the planner itself: ``low``, the least any placement needs (every block streamed),
+    and ``resident``, the least a placement with every block resident needs (``param_offload=False``).
+    A budget between them admits no all-resident plan, so whatever the planner picks streams, on any
+    device and whatever its measured rates. Fractions of the gap, not of the budget: on the GPU the
+    256 MiB headroom dwarfs this model, and 2 % of the budget is already more than all of its blocks.
+    """
     profile = tidal.profile_hardware(device)
     cen = tidal.census(model)
     headroom = 256 << 20 if device == "cuda" else 4096
 
-    def at(budget: int):
-        cfg = tidal.PlanConfig(vram_budget=budget, batch_tokens=BATCH * SEQ, headroom_bytes=headroom)
+    def at(budget: int, **options):
+        cfg = tidal.PlanConfig(
+            vram_budget=budget, batch_tokens=BATCH * SEQ, headroom_bytes=headroom, offload=True, **options
+        )
         return tidal.plan(cen, profile, cfg)
 
-    try:
-        at(headroom + 1024)
+    def least(**options) -> int:
+        try:
+            at(headroom + 1024, **options)
+        except tidal.InfeasiblePlan as exc:
+            return exc.needed_bytes
         raise AssertionError("1 KiB above the headroom cannot fit")
-    except tidal.InfeasiblePlan as exc:
-        low = exc.needed_bytes
-    for extra in (0.02, 0.05, 0.1, 0.2):
-        p = at(int(low * (1 + extra)))
+
+    low, resident = least(), least(param_offload=False)
+    assert low < resident, (low, resident)  # streaming must save VRAM on this model, or nothing here streams
+    for share in (0.5, 0.25, 0.0):
+        p = at(low + int(share * (resident - low)))
+        assert p.optimizer.placement == "host", p.explain()
         if p.streamed_blocks:
             return p
-    raise AssertionError("no budget near the minimum streams a block")
+    raise AssertionError(f"no budget in [{low}, {resident}) bytes streams a block")
 
 
 def _model() -> TinyGPT:
@@ -58,8 +76,8 @@ def _model() -> TinyGPT:
 
     The key bias gets a gradient that is zero in exact arithmetic (softmax ignores a shift shared by
     every key), so what it receives is rounding noise, and Adam scales noise up to steps of ~lr * g / eps.
-    On the GPU the host's CPU AdamW and the reference's CUDA AdamW round differently: from the first
-    step on, that noise differs, and so would those biases — by far more than the bound checked here.
+    Any rounding difference between the two runs (a kernel, an order of summation) would make that noise
+    differ, and those biases by far more than the bound checked here.
     """
     torch.manual_seed(0)
     model = TinyGPT(CFG)
@@ -69,7 +87,11 @@ def _model() -> TinyGPT:
 
 
 def _wrap(model: torch.nn.Module, opt: torch.optim.Optimizer, p, device: str):
-    """``wrap()`` carrying out the plan block by block (what ``tidal demo`` does)."""
+    """``wrap()`` carrying out the plan block by block (what ``tidal demo`` does).
+
+    ``offload=True`` is the plan's own placement (every update on the host); passed explicitly it also
+    keeps the updates there after the first step (with ``"auto"``, wrap moves what fits to the GPU).
+    """
     return tidal.wrap(
         model,
         opt,
@@ -77,6 +99,8 @@ def _wrap(model: torch.nn.Module, opt: torch.optim.Optimizer, p, device: str):
         device=device,
         plan=p,
         batch_tokens=BATCH * SEQ,
+        offload=True,
+        attention=ATTENTION,
         **plan_options(p, model.blocks),
     )
 
@@ -88,13 +112,6 @@ def _check_streamed(report: dict, p) -> None:
     streamed_bytes = sum(ws["block_bytes"][i] for i in p.streamed_blocks)
     assert ws["h2d_bytes"] >= STEPS * streamed_bytes  # refilled at least once per step
     assert report["d2h_bytes"] > 0
-
-
-def _reference_adamw(params, lr: float) -> torch.optim.Optimizer:
-    # fused: the same AdamW kernel tidal's host and device updates run. The default (foreach) kernel rounds
-    # differently, and Adam turns the rounding noise of gradients that are zero in exact arithmetic (the
-    # attention key bias) into updates of size ~lr * noise / eps, ~1e-5 after a few steps.
-    return torch.optim.AdamW(params, lr=lr, fused=True)
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:
@@ -123,7 +140,8 @@ def test_planned_full_fine_tune_matches_torch_adamw(device):
     reference = _model().to(device)
     model = copy.deepcopy(reference)
     trainable = [q for q in reference.parameters() if q.requires_grad]
-    ref_losses = _train(reference, _reference_adamw(trainable, 1e-3), _batches(device))
+    with reference_attention():
+        ref_losses = _train(reference, HostAdamW(trainable, lr=1e-3), _batches(device))
 
     p = _streaming_plan(model, device)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
@@ -142,7 +160,8 @@ def test_quantized_base_with_lora_under_a_plan_matches_torch_adamw(device, fmt):
     reference = base.to(device)
     model = copy.deepcopy(reference)
     trainable = [p for p in reference.parameters() if p.requires_grad]
-    ref_losses = _train(reference, _reference_adamw(trainable, 1e-2), _batches(device))
+    with reference_attention():
+        ref_losses = _train(reference, HostAdamW(trainable, lr=1e-2), _batches(device))
 
     p = _streaming_plan(model, device)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)

@@ -39,6 +39,7 @@ PLAN_VALUES = {
     "bytes_per_weight": st.one_of(st.integers(), junk_text, floats_any),
     "headroom_bytes": bad_bytes(zero_ok=True),
     "master_weights": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
+    "seq_len": bad_pos_int(none_ok=True),
 }
 
 

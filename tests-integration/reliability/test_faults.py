@@ -186,9 +186,9 @@ def test_fault_cuda_streams_drain(where, monkeypatch):
     model, opt = wrap(model, opt, offload=True, max_grad_norm=1.0)
     data = batches(3, device="cuda")
     _train(model, opt, data[:2])
+    before, arena = weights(model), _arena()  # device copies: taken before the level they would raise
     torch.cuda.synchronize()
     mem = torch.cuda.memory_allocated()
-    before, arena = weights(model), _arena()
     disarm = _inject(model, where, "exception", monkeypatch)
     with pytest.raises(Fault):
         loss_of(model, data[2]).backward()

@@ -56,22 +56,25 @@ def _fmt_bytes(n: float) -> str:
 class Planner:
     """Plans the demo model on ``device`` against any budget (the machine is profiled once, cached on disk)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, batch_tokens: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, batch_tokens: int, profile: Any = None
+    ) -> None:
         import tidal
 
         self._tidal = tidal
-        self.profile = tidal.profile_hardware(device)
+        self.profile = tidal.profile_hardware(device) if profile is None else profile
         self.census = tidal.census(model)
         self.batch_tokens = batch_tokens
         self.on_gpu = device.type == "cuda"
 
     def headroom(self, budget: int) -> int:
-        """Device bytes left unplanned: tidal-plan's GPU default (5 %, at least 256 MiB: CUDA workspaces,
-        fragmentation), at most a quarter of the budget; 5 % on the CPU stand-in, whose budgets are MiB."""
-        return min(max(GPU_HEADROOM if self.on_gpu else 1, budget // 20), max(1, budget // 4))
+        """Device bytes left unplanned: on a GPU tidal-plan's default (5 %, at least 256 MiB: CUDA workspaces,
+        fragmentation), never less, however small the budget; 5 % on the CPU stand-in, whose budgets are MiB."""
+        return max(GPU_HEADROOM if self.on_gpu else 1, budget // 20)
 
-    def plan(self, budget: int, headroom: int | None = None) -> Any:
-        """The plan under ``budget`` bytes (``headroom``: None for :meth:`headroom`).
+    def plan(self, budget: int, headroom: int | None = None, **options: Any) -> Any:
+        """The plan under ``budget`` bytes (``headroom``: None for :meth:`headroom`; ``options``: more
+        ``PlanConfig`` fields).
 
         Raises:
             InfeasiblePlan: not even a fully streamed run fits (the message has the numbers).
@@ -81,42 +84,55 @@ class Planner:
             vram_budget=budget,
             batch_tokens=self.batch_tokens,
             headroom_bytes=self.headroom(budget) if headroom is None else headroom,
+            **options,
         )
         return t.plan(self.census, self.profile, config)
 
-    def default_budget(self) -> tuple[int, Any]:
-        """A budget well under what the run needs, at which the plan streams blocks; and that plan.
+    def least_budget(self, **options: Any) -> int:
+        """The smallest budget (with its own headroom) at which a plan with ``options`` exists.
 
-        The least any placement needs (from the planner's refusal of a 1 KiB budget with no headroom) plus
-        the headroom, and what an all-resident run takes (the plan given the whole device), bound the
-        search; the default is the largest of a few points between them, from a third of the way up down
-        to the minimum, whose plan streams at least one block.
+        A bisection over the planner itself: feasibility only grows with the budget (what a budget leaves
+        after its headroom never shrinks as it grows), and the planner's refusal of a 1 KiB budget
+        without headroom gives the bytes every placement needs besides the headroom, a lower bound.
         """
         try:
-            self.plan(1024, headroom=0)
+            self.plan(1024, headroom=0, **options)
             raise AssertionError("a 1 KiB budget cannot be feasible")  # internal invariant
         except self._tidal.InfeasiblePlan as exc:
-            need = exc.needed_bytes
-        low = need
-        for _ in range(8):  # the least budget whose own headroom still leaves `need`: a fixed point
-            low = need + self.headroom(low) + 1
-        high = int(self.plan(self.profile.device_total_bytes).tiers["vram"])  # all the device
-        feasible: tuple[int, Any] | None = None
-        error: Exception | None = None
-        for frac in (1 / 3, 1 / 5, 1 / 10, 1 / 20, 0.0):
-            budget = int(low + frac * max(0, high - low))
-            try:
-                p = self.plan(budget)
-            except self._tidal.InfeasiblePlan as exc:
-                error = exc  # headroom grows with the budget: the lowest points may not fit
-                continue
-            if p.streamed_blocks:
-                return budget, p
-            feasible = (budget, p)
-        if feasible is not None:
-            return feasible  # no point streams (a tiny model): the lowest feasible budget, still under "all"
-        assert error is not None
-        raise error
+            lo = exc.needed_bytes  # infeasible: the headroom comes on top
+        hi = 2 * (lo + self.headroom(lo)) + 2
+        while not self._fits(hi, options):  # not expected; keeps the bisection's bracket honest
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # lo infeasible, hi feasible
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._fits(mid, options) else (mid, hi)
+        return hi
+
+    def _fits(self, budget: int, options: dict[str, Any]) -> bool:
+        try:
+            self.plan(budget, **options)
+        except self._tidal.InfeasiblePlan:
+            return False
+        return True
+
+    def default_budget(self) -> tuple[int, Any]:
+        """A budget under what the run needs, at which the plan streams blocks; and that plan.
+
+        Two budgets from the planner bound it: the least at which any plan fits (every block streamed),
+        and the least at which a plan with every block resident fits (``param_offload=False``). Halfway
+        between them no all-resident plan fits, so the plan streams, on any machine and at any size.
+        """
+        low = self.least_budget()
+        resident = self.least_budget(param_offload=False)
+        budget = low + max(0, resident - low) // 2
+        p = self.plan(budget)
+        if not p.streamed_blocks:  # streaming saves no VRAM on this model (resident <= low)
+            log.warning(
+                "tidal demo: no budget makes this model stream (the least budget %d B already fits every "
+                "block resident); using it",
+                low,
+            )
+        return budget, p
 
 
 def plan_options(p: Any, blocks: torch.nn.ModuleList) -> dict[str, Any]:
@@ -154,6 +170,8 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
     assert cfg.steps is not None and cfg.seq_len is not None and cfg.batch_size is not None
     device = torch.device(cfg.device)
     on_gpu = device.type == "cuda"
+    if on_gpu and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # one spelling ("cuda:0") everywhere
     say = lambda s="": print(s, file=out, flush=True)  # noqa: E731
 
     if not on_gpu:
@@ -163,6 +181,10 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
             "on the stand-in device (weights, gradients, optimizer state; activations not counted), and step "
             "times are CPU times."
         )
+    # the machine is profiled (or its profile read from the cache) before the model exists, and what the
+    # process already holds on the device then is not the demo's: peaks are measured above it
+    profile = tidal.profile_hardware(device)
+    mem = DeviceMemory(device)
     gcfg = SIZES[cfg.size]
     dtype = torch.bfloat16 if on_gpu else torch.float32  # bf16 matmuls are slow on most CPUs
     text, n_files = stdlib_bytes()
@@ -189,7 +211,7 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
     )
     t_plan = time.perf_counter()
-    planner = Planner(model, device, cfg.batch_size * cfg.seq_len)
+    planner = Planner(model, device, cfg.batch_size * cfg.seq_len, profile=profile)
     if cfg.vram_budget is None:
         budget_bytes, the_plan = planner.default_budget()
         why = "chosen so that blocks must stream"
@@ -200,7 +222,6 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
     say("")
     say(the_plan.explain())
     say("")
-    mem = DeviceMemory(device)
     # the plan and its per-block decisions are passed in, so the CPU stand-in follows the same plan a GPU
     # run would (left to itself, wrap() keeps plain AdamW and resident weights when the "device" is the host)
     model, optimizer = tidal.wrap(
@@ -210,6 +231,9 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
         device=device,
         plan=the_plan,
         batch_tokens=cfg.batch_size * cfg.seq_len,
+        # a fixed backend on the GPU: timing every backend ("auto") inside the first step would put its
+        # scratch tensors in the peak the budget is checked against; flash runs bf16 causal attention there
+        attention="flash" if on_gpu else "auto",
         **plan_options(the_plan, model.blocks),
     )
     setup_s = time.perf_counter() - t_plan

@@ -48,11 +48,18 @@ def resident_bytes(model: nn.Module, report: dict[str, Any], device: torch.devic
 
 
 class DeviceMemory:
-    """Per-step memory readings for the demo (the CUDA allocator, or the stand-in count on the CPU)."""
+    """Per-step memory readings for the demo (the CUDA allocator, or the stand-in count on the CPU).
+
+    On a GPU, readings are above ``baseline``: what the process had allocated on the device when this
+    object was made (before the demo built anything; e.g. tensors another part of the process keeps).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.baseline = 0
+        if self.cuda:
+            self.baseline = torch.cuda.memory_allocated(device)  # the allocator's count: no sync needed
 
     def reset_peak(self) -> None:
         if self.cuda:
@@ -65,7 +72,8 @@ class DeviceMemory:
     def read(self, model: nn.Module, report: dict[str, Any]) -> tuple[int, int]:
         """(peak bytes since the last reset, bytes allocated now)."""
         if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)  # since reset_peak(), the baseline included
+            return peak - self.baseline, torch.cuda.memory_allocated(self.device) - self.baseline
         now = resident_bytes(model, report, self.device)
         # streamed blocks are empty after the step; during it, at most the streaming window's peak was filled
         window = int(report.get("weight_streaming", {}).get("resident_peak_bytes", 0))

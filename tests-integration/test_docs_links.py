@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# files whose links are relative to another folder than their own: the README body kept under docs/ for
-# pasting into the root README is written for the root
-LINK_BASE = {"docs/README-sections.md": ROOT}
 INLINE = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFDEF = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.MULTILINE)
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
@@ -59,7 +56,7 @@ def broken_links(md: Path) -> list[str]:
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
             continue  # http:, https:, mailto: — not checked here
         path_part, _, anchor = target.partition("#")
-        base = LINK_BASE.get(md.relative_to(ROOT).as_posix(), md.parent)
+        base = md.parent
         dest = md if not path_part else (base / path_part).resolve()
         if not dest.exists():
             bad.append(

@@ -172,6 +172,16 @@ _INTERP = textwrap.dedent(
         assert torch.equal(q, rq) and torch.equal(s, rs), ("int8", bs)
         assert torch.equal(T.dequantize(0, rq, rs, None, w.shape, bs, torch.float32),
                            R.dequantize_int8(rq, rs, bs, torch.float32))
+    odd = torch.randn(37, 61)  # odd numel: the last byte holds one element
+    for bs in (64, 16):
+        rq, rs = R.quantize_nf4(odd, bs)
+        assert torch.equal(T.dequantize(1, rq, rs, None, odd.shape, bs, torch.float32),
+                           R.dequantize_nf4(rq, rs, odd.shape, bs, torch.float32)), ("nf4 odd", bs)
+    for shape in ((40, 100), (3, 1030)):
+        d, s = R.quantize_fp8(torch.randn(shape) * 0.02)
+        assert torch.equal(T.dequantize(3, d, s, None, shape, 0, torch.float32),
+                           R.dequantize_fp8(d, s, torch.float32)), ("fp8", shape)
+        assert torch.equal(T.transpose_bytes(d).view(torch.uint8), d.view(torch.uint8).t().contiguous())
     bsc, g, eff = R.nvfp4_scales(w)
     rq, rbs, rg = R.quantize_nvfp4(w)
     assert torch.equal(T.quantize_nvfp4_codes(w, eff), rq)

@@ -14,7 +14,7 @@ import triton.language as tl
 from tidal_quant.reference import NF4_ABSMAX_FLOOR, e2m1_table, nf4_code
 
 _RNE_MAGIC = 12582912.0  # 1.5 * 2**23
-FMT_INT8, FMT_NF4, FMT_NVFP4 = 0, 1, 2
+FMT_INT8, FMT_NF4, FMT_NVFP4, FMT_FP8 = 0, 1, 2, 3
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -162,41 +162,55 @@ def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dequant_kernel(
-    d_ptr,
-    s_ptr,
-    g_ptr,
-    tab_ptr,
-    out_ptr,
-    n_units,
-    numel,
-    FMT: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # one program: BLOCK storage units (int8: elements; nf4/nvfp4: bytes of two elements)
-    u = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # [B]
-    m = u < n_units
-    if FMT == 0:
-        q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
-        s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
-        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
-    else:
-        byte = tl.load(d_ptr + u, mask=m, other=0).to(tl.int32)
-        hi = byte >> 4
-        lo = byte & 15
-        if FMT == 1:  # nf4: high nibble = even element, fp32 absmax per BS elements
-            s = tl.load(s_ptr + (2 * u) // BS, mask=m, other=0.0)
-            v0 = tl.load(tab_ptr + hi) * s
-            v1 = tl.load(tab_ptr + lo) * s
-        else:  # nvfp4: low nibble = even element, e4m3 scale per 16 elements times the global scale
-            g = tl.load(g_ptr)
-            s = _decode_e4m3(tl.load(s_ptr + u // 8, mask=m, other=0)) * g
-            v0 = tl.load(tab_ptr + lo) * s
-            v1 = tl.load(tab_ptr + hi) * s
-        v = tl.reshape(tl.join(v0, v1), (2 * BLOCK,))  # interleave [B, 2] → [2B]
-        e = (tl.program_id(0) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)).to(tl.int64)
-        tl.store(out_ptr + e, v.to(out_ptr.dtype.element_ty), mask=e < numel)
+def _dequant_int8_kernel(d_ptr, s_ptr, out_ptr, numel, BS: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: BLOCK contiguous int8 codes (block size BS may be any even number)
+    u = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B]
+    m = u < numel
+    q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
+    s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
+    tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dequant_4bit_kernel(
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, numel, nblocks,
+    GB: tl.constexpr, ROWS: tl.constexpr, NVFP4: tl.constexpr,
+):  # fmt: skip
+    # one program: ROWS scale blocks of GB packed bytes each (ROWS * GB contiguous bytes, 16-byte
+    # loads); each block's scale is loaded once and broadcast over its 2 * GB elements
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R] scale-block ids
+    cols = tl.arange(0, GB)  # [GB]
+    boffs = rows[:, None] * GB + cols[None, :]  # [R, GB] byte offsets
+    byte = tl.load(d_ptr + boffs, mask=boffs < n_bytes, other=0).to(tl.int32)
+    if NVFP4:  # e4m3 scale per 16 elements times the fp32 tensor scale; low nibble = even element
+        s = _decode_e4m3(tl.load(s_ptr + rows, mask=rows < nblocks, other=0)) * tl.load(g_ptr)
+        first = byte & 15
+        second = byte >> 4
+    else:  # nf4: fp32 absmax per block; high nibble = even element
+        s = tl.load(s_ptr + rows, mask=rows < nblocks, other=0.0)
+        first = byte >> 4
+        second = byte & 15
+    v0 = tl.load(tab_ptr + first) * s[:, None]  # [R, GB]
+    v1 = tl.load(tab_ptr + second) * s[:, None]
+    v = tl.reshape(tl.join(v0, v1), (ROWS, 2 * GB))  # interleave → [R, 2 * GB] elements
+    e = rows[:, None] * (2 * GB) + tl.arange(0, 2 * GB)[None, :]  # [R, 2 * GB]
+    tl.store(out_ptr + e, v.to(out_ptr.dtype.element_ty), mask=e < numel)
+
+
+@triton.jit
+def _dequant_fp8_kernel(d_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    # one program: a [BN, BK] tile of e4m3 codes (as bytes) times the per-row fp32 scales
+    rn = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
+    rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)  # [BK]
+    m = (rn[:, None] < N) & (rk[None, :] < K)
+    offs = rn[:, None] * K + rk[None, :]
+    q = _decode_e4m3(tl.load(d_ptr + offs, mask=m, other=0))
+    s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)  # [BN]
+    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# bytes of packed 4-bit codes per dequantize program: 16 per thread at 8 warps
+_DEQ_BYTES, _DEQ_WARPS = 4096, 8
 
 
 def dequantize(
@@ -208,18 +222,46 @@ def dequantize(
     block_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Dequantize int8 / NF4 / NVFP4 ``data`` to ``dtype`` ``shape``."""
+    """Dequantize int8 / NF4 / NVFP4 / FP8 ``data`` (fp8 and e4m3 scales as uint8 views) to ``dtype``."""
+    data = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
+    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     out = torch.empty(shape, dtype=dtype, device=data.device)
     numel = shape[0] * shape[1]
-    n_units = data.numel()
-    tab = table("e2m1" if fmt_id == FMT_NVFP4 else "nf4", data.device)
-    g = global_scale if global_scale is not None else scales
-    sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
-    block = 2048
-    _dequant_kernel[(triton.cdiv(n_units, block),)](
-        data, sc, g, tab, out, n_units, numel, fmt_id, block_size, block
-    )
+    if fmt_id == FMT_INT8:
+        _dequant_int8_kernel[(triton.cdiv(numel, 4096),)](data, scales, out, numel, block_size, 4096)
+    elif fmt_id == FMT_FP8:
+        n, k = shape
+        grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
+        _dequant_fp8_kernel[grid](data, scales, out, n, k, 16, 512, num_warps=8)
+    else:
+        nvfp4 = fmt_id == FMT_NVFP4
+        gb = 8 if nvfp4 else block_size // 2  # packed bytes per scale
+        rows = max(1, _DEQ_BYTES // gb)
+        nb = scales.numel()
+        g = global_scale if nvfp4 else scales
+        tab = table("e2m1" if nvfp4 else "nf4", data.device)
+        _dequant_4bit_kernel[(triton.cdiv(nb, rows),)](
+            data, scales, g, tab, out, data.numel(), numel, nb, gb, rows, nvfp4, num_warps=_DEQ_WARPS
+        )
     return out
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    # dst[C, R] = src[R, C]ᵀ for one-byte elements, one [BR, BC] tile per program
+    rr = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rc = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+    t = tl.load(src_ptr + rr[:, None] * C + rc[None, :], mask=(rr[:, None] < R) & (rc[None, :] < C))
+    tl.store(dst_ptr + rc[:, None] * R + rr[None, :], tl.trans(t), mask=(rc[:, None] < C) & (rr[None, :] < R))
+
+
+def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
+    """Row-major ``xᵀ`` ``[C, R]`` of a contiguous one-byte ``[R, C]`` tensor (uint8 / float8)."""
+    r, c = x.shape
+    src = x.view(torch.uint8)
+    out = torch.empty(c, r, dtype=torch.uint8, device=x.device)
+    _transpose_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](src, out, r, c, 64, 64)
+    return out.view(x.dtype)
 
 
 @triton.jit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +82,13 @@ def quant_linear(
     Returns:
         ``[..., out_features]`` in ``x.dtype``.
     """
-    check_quantized(qw)
+    return _quant_linear(x, check_quantized(qw), bias, outliers, fp8_backward)
+
+
+def _quant_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, outliers: float, fp8_backward: bool
+) -> torch.Tensor:
+    """:func:`quant_linear` for an already validated ``qw``."""
     if not isinstance(x, torch.Tensor):
         raise bad_arg("x", type(x).__name__, "a torch.Tensor")
     if x.dtype not in _ACT_DTYPES:
@@ -93,11 +100,17 @@ def quant_linear(
     if bias is not None and (bias.shape != (qw.shape[0],) or bias.device != qw.device):
         raise bad_arg("bias", (tuple(bias.shape), str(bias.device)), f"[{qw.shape[0]}] on {qw.device}")
     n_out = n_outlier_channels(check_outliers(qw.fmt, outliers), qw.shape[1])
-    with record_function("tidal::quant_linear"):
-        fp8_grad = check_fp8_backward(qw.fmt, fp8_backward)
-        y = ops.linear(x.reshape(-1, qw.shape[1]), *_op_args(qw), n_out, fp8_grad)  # [T, N]
+    fp8_grad = check_fp8_backward(qw.fmt, fp8_backward)
+    # the profiler range only while a profiler records: entering one costs a dispatcher call per layer
+    with record_function("tidal::quant_linear") if _profiling() else contextlib.nullcontext():
+        y = ops.linear_fast(x.reshape(-1, qw.shape[1]), *_op_args(qw), n_out, fp8_grad)  # [T, N]
     y = y.view(*x.shape[:-1], qw.shape[0])  # [..., N]
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def _profiling() -> bool:
+    # under torch.compile the range is always traced (the query is not traceable, and costs nothing there)
+    return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
 
 
 def _op_args(qw: QuantizedWeight) -> tuple:
@@ -214,10 +227,24 @@ class QuantLinear(nn.Module):
 
         return dequantize(self.qweight, dtype)
 
+    def _checked_qweight(self) -> QuantizedWeight:
+        """:attr:`qweight`, validated once per set of buffer objects (not on every forward)."""
+        if torch.compiler.is_compiling():
+            return check_quantized(self.qweight)
+        bufs = tuple(self._buffers[_BUFFER[f]] for f in self._fields)
+        cached = self.__dict__.get("_qweight_cache")
+        if (
+            cached is not None
+            and len(cached[0]) == len(bufs)
+            and all(a is b for a, b in zip(cached[0], bufs))
+        ):
+            return cached[1]
+        qw = check_quantized(self.qweight)
+        self.__dict__["_qweight_cache"] = (bufs, qw)  # holds the same tensors as the buffers: no extra memory
+        return qw
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(
-            x, self.qweight, self.bias, outliers=self.outliers, fp8_backward=self.fp8_backward
-        )
+        return _quant_linear(x, self._checked_qweight(), self.bias, self.outliers, self.fp8_backward)
 
     def extra_repr(self) -> str:
         extra = f", block_size={self.block_size}" if self.block_size else ""

@@ -18,8 +18,9 @@ from tidal_quant import _log
 from tidal_quant import reference as ref
 from tidal_quant.formats import NVFP4_BLOCK, n_blocks
 
-_FMT_ID = {"int8": 0, "nf4": 1, "nvfp4": 2}
-FUSED_MAX_TOKENS = 4096
+_FMT_ID = {"int8": 0, "nf4": 1, "nvfp4": 2}  # formats of the fused dequant-matmul
+_DEQ_ID = {**_FMT_ID, "fp8": 3}  # formats of the Triton dequantize kernels
+FUSED_MAX_TOKENS = 512  # above this, dequantize + cuBLAS won every measured shape
 # fused dequant-matmul candidates (BM, BN, BK, num_warps, num_stages) by token bucket; each shape keeps
 # whichever of them, or dequantize + cuBLAS, measured fastest
 _FEW_TOKEN_TILES = ((32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3))  # (BN, BK, warps, stages); BM by bucket
@@ -118,12 +119,12 @@ def dequantize(
     return _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)
 
 
-@dequantize.register_kernel("cuda")
-def _(data, scales, global_scale, fmt, shape, block_size, dtype):
+def _dequant_cuda(data, scales, global_scale, fmt, shape, block_size, dtype):
     shp = (shape[0], shape[1])
-    if fmt == "fp8":
-        return ref.dequantize_fp8(_f8(data), scales, dtype)
-    return _tr().dequantize(_FMT_ID[fmt], data, scales, global_scale, shp, block_size, dtype)
+    return _tr().dequantize(_DEQ_ID[fmt], data, scales, global_scale, shp, block_size, dtype)
+
+
+dequantize.register_kernel("cuda")(_dequant_cuda)
 
 
 @dequantize.register_fake
@@ -132,6 +133,12 @@ def _(data, scales, global_scale, fmt, shape, block_size, dtype):
 
 
 # ------------------------------------------------------------------------------------- matmul
+def _qmatmul_ref(x, data, scales, global_scale, fmt, shape, block_size):
+    _log.record_path("dequant_matmul")
+    w = _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, x.dtype)
+    return x @ w.t()
+
+
 @custom_op("tidal_quant::qmatmul", mutates_args=())
 def qmatmul(
     x: torch.Tensor,
@@ -143,9 +150,7 @@ def qmatmul(
     block_size: int,
 ) -> torch.Tensor:
     """``x [M, K] @ dequantize(W)ᵀ`` → ``[M, N]`` in ``x.dtype``."""
-    _log.record_path("dequant_matmul")
-    w = _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, x.dtype)
-    return x @ w.t()
+    return _qmatmul_ref(x, data, scales, global_scale, fmt, shape, block_size)
 
 
 def _fused_ok(x: torch.Tensor, fmt: str, k: int, block_size: int, bk: int) -> bool:
@@ -222,10 +227,9 @@ def choose_kernel(
     return best[0], best[1]
 
 
-@qmatmul.register_kernel("cuda")
-def _(x, data, scales, global_scale, fmt, shape, block_size):
+def _qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size):
     shp = (shape[0], shape[1])
-    if fmt == "nvfp4" and torch.cuda.get_device_capability(x.device) >= (10, 0):
+    if fmt == "nvfp4" and _capability(x.device) >= (10, 0):
         _log.record(
             "degraded",
             "tidal_quant: this GPU has FP4 tensor cores, but nvfp4 weights are dequantized to "
@@ -240,11 +244,11 @@ def _(x, data, scales, global_scale, fmt, shape, block_size):
             _FMT_ID[fmt], x.contiguous(), data, scales, global_scale, shp, block_size, cfg
         )
     _log.record_path("dequant_matmul")
-    if fmt == "fp8":
-        w = ref.dequantize_fp8(_f8(data), scales, x.dtype)
-    else:
-        w = _tr().dequantize(_FMT_ID[fmt], data, scales, global_scale, shp, block_size, x.dtype)
+    w = _tr().dequantize(_DEQ_ID[fmt], data, scales, global_scale, shp, block_size, x.dtype)  # [N, K]
     return x @ w.t()
+
+
+qmatmul.register_kernel("cuda")(_qmatmul_cuda)
 
 
 @qmatmul.register_fake
@@ -268,13 +272,7 @@ def _outlier_term(
     return x.index_select(1, idx) @ w_out.t()  # [M, N]
 
 
-@custom_op("tidal_quant::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n_outliers: int) -> torch.Tensor:
-    """FP8 forward: per-token e4m3 activations × per-channel e4m3 weights (+ outlier channels in x.dtype).
-
-    This default kernel emulates the tensor-core path in fp32 (the reference); CUDA runs
-    ``torch._scaled_mm`` with rowwise scales.
-    """
+def _fp8_linear_ref(x, data, scales, n_outliers):
     x_in, idx = _split_outliers(x, n_outliers)
     q, sa = ref.quantize_rows_fp8(x_in)
     y = (q.float() * sa) @ (_f8(data).float() * scales[:, None]).t()
@@ -283,22 +281,56 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n_outl
     return y.to(x.dtype)
 
 
-@fp8_linear.register_kernel("cuda")
-def _(x, data, scales, n_outliers):
+def _fp8_linear_cuda(x, data, scales, n_outliers):
+    # one activation-quantization kernel + one _scaled_mm (+ the outlier term when asked for)
     _log.record_path("fp8_scaled_mm")
     x_in, idx = _split_outliers(x, n_outliers)
     q, sa = _tr().quantize_rows_fp8(x_in)  # [M, K] e4m3, [M, 1] fp32 (bit-exact with the reference)
     y = torch._scaled_mm(
         q, _f8(data).t(), scale_a=sa, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16
-    ).to(x.dtype)  # [M, N]
+    )  # [M, N]; data.t() is the column-major [K, N] operand _scaled_mm wants, no copy
+    y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
     if idx is not None:
         y = y + _outlier_term(x, idx, data, scales)
     return y
 
 
+@custom_op("tidal_quant::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n_outliers: int) -> torch.Tensor:
+    """FP8 forward: per-token e4m3 activations × per-channel e4m3 weights (+ outlier channels in x.dtype).
+
+    This default kernel emulates the tensor-core path in fp32 (the reference); CUDA runs
+    ``torch._scaled_mm`` with rowwise scales.
+    """
+    return _fp8_linear_ref(x, data, scales, n_outliers)
+
+
+fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
+
+
 @fp8_linear.register_fake
 def _(x, data, scales, n_outliers):
     return x.new_empty((x.shape[0], data.shape[0]))
+
+
+def _fp8_grad_ref(grad, data, scales):
+    q, sg = ref.quantize_rows_fp8(grad.float() * scales)  # [T, N] e4m3, [T, 1]
+    return ((q.float() * sg) @ _f8(data).float()).to(grad.dtype)
+
+
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _fp8_grad_cuda(grad, data, scales):
+    tr = _tr()
+    q, sg = tr.quantize_rows_fp8(grad, col_scale=scales)  # [T, N] e4m3 of grad * scales, [T, 1]
+    w_col = tr.transpose_bytes(_f8(data)).t()  # [N, K] column-major (one tiled transpose kernel)
+    key = (data.shape[1], grad.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(1, data.shape[1], device=grad.device, dtype=torch.float32)
+    gx = torch._scaled_mm(q, w_col, scale_a=sg, scale_b=ones, out_dtype=torch.bfloat16)  # [T, K]
+    return gx if grad.dtype == torch.bfloat16 else gx.to(grad.dtype)
 
 
 @custom_op("tidal_quant::fp8_grad_input", mutates_args=())
@@ -307,16 +339,10 @@ def fp8_grad_input(grad: torch.Tensor, data: torch.Tensor, scales: torch.Tensor)
 
     This default kernel emulates the tensor-core path in fp32; CUDA runs ``torch._scaled_mm``.
     """
-    q, sg = ref.quantize_rows_fp8(grad.float() * scales)  # [T, N] e4m3, [T, 1]
-    return ((q.float() * sg) @ _f8(data).float()).to(grad.dtype)
+    return _fp8_grad_ref(grad, data, scales)
 
 
-@fp8_grad_input.register_kernel("cuda")
-def _(grad, data, scales):
-    q, sg = _tr().quantize_rows_fp8(grad, col_scale=scales)  # [T, N] e4m3 of grad * scales, [T, 1]
-    w_col = _f8(data).t().contiguous().t()  # [N, K] column-major, as _scaled_mm wants its second operand
-    ones = torch.ones(1, data.shape[1], device=grad.device, dtype=torch.float32)
-    return torch._scaled_mm(q, w_col, scale_a=sg, scale_b=ones, out_dtype=torch.bfloat16).to(grad.dtype)
+fp8_grad_input.register_kernel("cuda")(_fp8_grad_cuda)
 
 
 @fp8_grad_input.register_fake
@@ -324,13 +350,28 @@ def _(grad, data, scales):
     return grad.new_empty((grad.shape[0], data.shape[1]))
 
 
+_CAPABILITY: dict[torch.device, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """CUDA compute capability of ``device``, cached (queried once per device, not per call)."""
+    cap = _CAPABILITY.get(device)
+    if cap is None:
+        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return cap
+
+
+_TENSOR_CORES: dict[torch.device, bool] = {}
+
+
 def fp8_tensor_cores(device: torch.device) -> bool:
-    """True when ``device`` runs ``torch._scaled_mm`` (CUDA compute capability ≥ 8.9)."""
-    return (
-        device.type == "cuda"
-        and hasattr(torch, "_scaled_mm")
-        and torch.cuda.get_device_capability(device) >= (8, 9)
-    )
+    """True when ``device`` runs ``torch._scaled_mm`` (CUDA compute capability ≥ 8.9); cached per device."""
+    hit = _TENSOR_CORES.get(device)
+    if hit is None:
+        hit = _TENSOR_CORES[device] = (
+            device.type == "cuda" and hasattr(torch, "_scaled_mm") and _capability(device) >= (8, 9)
+        )
+    return hit
 
 
 def uses_scaled_mm(x: torch.Tensor, fmt: str, shape: Sequence[int]) -> bool:
@@ -406,3 +447,66 @@ def _linear_backward(ctx, grad):
 
 
 torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_context=_linear_setup)
+
+
+# ------------------------------------------------------------------------------- eager fast path
+# [Note: eager path] Outside torch.compile, quant_linear calls the same per-device implementations as
+# the custom ops above, through one autograd.Function: a custom op (with its autograd wrapper and the
+# nested ops it calls) costs tens of microseconds of host time per call, which an un-overlapped layer
+# step pays in full. Under torch.compile the registered ops are used, so tracing is unchanged.
+def _by_device(cuda_fn, ref_fn, t: torch.Tensor):
+    return cuda_fn if t.device.type == "cuda" else ref_fn
+
+
+def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers):
+    if uses_scaled_mm(x, fmt, shape):
+        return _fp8_linear_cuda(x.contiguous(), data, scales, n_outliers)
+    fn = _by_device(_qmatmul_cuda, _qmatmul_ref, x)
+    return fn(x, data, scales, global_scale, fmt, shape, block_size)
+
+
+def _grad_impl(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad):
+    if fp8_grad and uses_scaled_mm(grad, fmt, shape):
+        return _fp8_grad_cuda(grad.contiguous(), data, scales)  # [T, K]
+    shp = (shape[0], shape[1])
+    if grad.device.type == "cuda":
+        w = _dequant_cuda(data, scales, global_scale, fmt, shp, block_size, grad.dtype)  # [N, K]
+    else:
+        w = _dequant_ref(data, scales, global_scale, fmt, shp, block_size, grad.dtype)
+    return grad @ w  # [T, K]
+
+
+class _EagerLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad):
+        ctx.save_for_backward(data, scales, global_scale)
+        ctx.meta = (fmt, shape, block_size, fp8_grad)
+        return _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scales, global_scale = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _grad_impl(grad, data, scales, global_scale, *ctx.meta)
+        return gx, None, None, None, None, None, None, None, None
+
+
+def linear_fast(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: Sequence[int],
+    block_size: int,
+    n_outliers: int,
+    fp8_grad: bool,
+) -> torch.Tensor:
+    """:func:`linear` with the least host overhead: the custom op under torch.compile, else one
+    autograd.Function over the same implementations (see [Note: eager path])."""
+    if torch.compiler.is_compiling():
+        return linear(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad)
+    if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate: skip autograd
+        return _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
+    return _EagerLinear.apply(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad)

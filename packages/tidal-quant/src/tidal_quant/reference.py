@@ -79,6 +79,16 @@ def _blocks(w: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.view(-1, block_size)
 
 
+def div_const(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` rounded as IEEE fp32 division on every device.
+
+    A plain ``t / 448.0`` is computed on CUDA as ``t * (1 / 448.0)`` (torch's kernel for a CPU-scalar
+    divisor), which differs from the CPU's true division in the last bit; a divisor tensor on ``t``'s
+    own device keeps the correctly rounded division everywhere, so both devices give the same bytes.
+    """
+    return t / t.new_full((), c)
+
+
 def _pad_flat(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, length - t.numel())) if t.numel() < length else t
 
@@ -87,7 +97,7 @@ def _pad_flat(t: torch.Tensor, length: int) -> torch.Tensor:
 def quantize_int8(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise symmetric int8. Returns (codes int8 with ``w``'s shape, fp32 scales ``[n_blocks]``)."""
     x = _blocks(w, block_size)  # [nb, bs]
-    scale = x.abs().amax(dim=1) / 127.0  # [nb]
+    scale = div_const(x.abs().amax(dim=1), 127.0)  # [nb]
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(x / safe[:, None]).clamp_(-127, 127).to(torch.int8)  # [nb, bs]
     return q.view(-1)[: w.numel()].view(w.shape), scale
@@ -158,7 +168,7 @@ def decompress_scales(q: torch.Tensor, scales2: torch.Tensor, offset: torch.Tens
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 with one fp32 scale per output row: (codes ``[out, in]``, scales ``[out]``)."""
     x = w.float()
-    scale = x.abs().amax(dim=1) / FP8_MAX  # [out]
+    scale = div_const(x.abs().amax(dim=1), FP8_MAX)  # [out]
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (x / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
@@ -172,7 +182,7 @@ def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) e4m3 quantization of activations: (codes, fp32 scales ``[rows, 1]``)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)  # [T, 1]
+    scale = div_const(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_(min=1e-12)  # [T, 1]
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -180,7 +190,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def nvfp4_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 scales: (e4m3 block scales ``[out, in // 16]``, fp32 global scale ``[1]``, fp32 effective scales)."""
     x = w.float().view(w.shape[0], -1, NVFP4_BLOCK)  # [N, K/16, 16]
-    g = (x.abs().amax() / (E2M1_MAX * FP8_MAX)).reshape(1)  # [1]
+    g = div_const(x.abs().amax(), E2M1_MAX * FP8_MAX).reshape(1)  # [1]
     g = torch.where(g == 0, torch.ones_like(g), g)
     bmax = x.abs().amax(dim=-1)  # [N, K/16]
     bs = (bmax / (E2M1_MAX * g)).clamp_(max=FP8_MAX).to(torch.float8_e4m3fn)

@@ -44,6 +44,21 @@ def test_qwen14b_shape_counts(qwen14b_lora_census):
     assert b.input_bytes_per_token == h * 2
 
 
+def test_gemm_shapes_attention_width_and_kernels(qwen14b_lora_census):
+    c, h, inter, kv, r = qwen14b_lora_census, 5120, 13824, 1024, 16
+    b = c.blocks[0]
+    # every 2-D weight as (in, out, trainable): the frozen projections and their rank-16 adapters
+    frozen = sorted(s for s in b.matmul_shapes if not s[2])
+    projections = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    assert frozen == sorted((i, o, False) for i, o in projections)
+    adapters = [pair for i, o in projections for pair in ((i, r), (r, o))]
+    assert sorted(s[:2] for s in b.matmul_shapes if s[2]) == sorted(adapters)
+    assert c.outside_matmul_shapes == ((h, 152064, False),)  # the untied LM head
+    assert b.attention_width == 40 * 128  # q_proj's output features (through the LoRA wrapper)
+    # the traced forward runs the 7 frozen matmuls, 14 adapter matmuls and the elementwise work between
+    assert 21 < b.forward_kernels < 200
+
+
 def test_tied_parameters_are_counted_once(qwen1_5b_census):
     c = qwen1_5b_census
     assert ("model.embed_tokens.weight", "lm_head.weight") in c.tied

@@ -1,5 +1,5 @@
 """On the GPU: the census traced on the meta device agrees with one measured on real weights, and the
-cost model's plain-GPU prediction is a floor that a real training step comes close to."""
+cost model predicts a plain-GPU training step within 25 %, never below the matmul FLOPs at the peak rate."""
 
 import statistics
 import time
@@ -46,12 +46,15 @@ def test_meta_census_matches_the_gpu_measurement():
 
 
 @pytest.mark.gpu
-def test_plain_gpu_step_prediction_is_a_close_floor(tmp_path, monkeypatch):
+def test_plain_gpu_step_prediction_within_25pct(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     model = _model("cuda")
     prof = profile_hardware("cuda")
     batch, seq = 4, 1024
-    p = plan(census(model), prof, PlanConfig(batch_tokens=batch * seq))
+    # torch.optim.AdamW on bf16 weights keeps bf16 moments and no fp32 master
+    cfg = PlanConfig(batch_tokens=batch * seq, seq_len=seq, master_weights=False, moment_dtype="bf16")
+    c = census(model)
+    p = plan(c, prof, cfg)
     assert p.optimizer.placement == "gpu" and p.prediction.bound == "compute"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, SMALL["vocab_size"], (batch, seq), device="cuda")
@@ -67,5 +70,8 @@ def test_plain_gpu_step_prediction_is_a_close_floor(tmp_path, monkeypatch):
         if i >= 3:  # after warm-up
             times.append(time.perf_counter() - t0)
     measured = statistics.median(times)
-    print(f"\n{p.explain()}\n{compare_prediction(p, measured)['summary']}")
-    assert measured >= 0.9 * p.prediction.step_s  # nothing beats the FLOPs at the measured matmul rate
+    result = compare_prediction(p, measured)
+    print(f"\n{p.explain()}\n{result['summary']}")
+    mm = sum(b.matmul_params for b in c.blocks) + c.outside_matmul_params
+    assert measured >= 0.9 * 6 * mm * batch * seq / (prof.matmul_tflops * 1e12)  # nothing beats the FLOPs
+    assert result["within_25pct"], result["summary"]

@@ -52,6 +52,20 @@ def test_cpu_profile_measures_and_caches(tmp_path, monkeypatch):
     assert profile_hardware("cpu", force=True).h2d_gbps != 123.0
 
 
+def test_device_memory_bandwidth_default_and_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    assert HardwareProfile.synthetic().hbm_gbps == 4200.0  # the documented H200-class default
+    d = HardwareProfile.synthetic().to_dict()
+    del d["hbm_gbps"]  # a profile saved before the field existed reads back with the default
+    assert HardwareProfile.from_dict(d).hbm_gbps == 4200.0
+    torch.set_num_threads(1)
+    p = profile_hardware("cpu", force=True)
+    # On the CPU stand-in the "device memory" is host memory: a copy, read and write counted.
+    assert p.hbm_gbps == pytest.approx(2 * p.h2d_gbps) and "device memory" in p.summary()
+    with pytest.raises(PlanConfigError, match="hbm_gbps"):
+        HardwareProfile.synthetic(hbm_gbps=-1.0)
+
+
 def test_cpu_profile_budget_defaults_to_host_ram_minus_headroom(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     torch.set_num_threads(1)
@@ -131,7 +145,13 @@ def test_synthetic_allocatable_defaults_to_free():
 
 
 # Figures of the GPU machine (H200, PCIe Gen5) measured independently; a fresh profile must agree within 10 %.
-H200_FIGURES = {"h2d_gbps": 55.4, "d2h_gbps": 55.2, "bidir_gbps": 94.0, "matmul_tflops": 780.0}
+H200_FIGURES = {
+    "h2d_gbps": 55.4,
+    "d2h_gbps": 55.2,
+    "bidir_gbps": 94.0,
+    "matmul_tflops": 780.0,
+    "hbm_gbps": 4200.0,
+}
 
 
 @pytest.mark.gpu

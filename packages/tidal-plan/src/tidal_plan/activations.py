@@ -171,8 +171,43 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(o)
 
 
-def _trace_block(block: nn.Module, args: tuple, kwargs: dict[str, Any], tokens: int) -> int:
-    """Bytes per token that autograd saves for backward in one forward of ``block``."""
+# Operations that launch no device kernel (allocation, aliasing, metadata) are not counted as kernels.
+_NO_KERNEL = frozenset(
+    (
+        "empty",
+        "empty_like",
+        "new_empty",
+        "empty_strided",
+        "new_empty_strided",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_local_scalar_dense",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+    )
+)
+
+
+class _KernelCount(TorchDispatchMode):
+    """Counts the operations that run a device kernel (views and allocations excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        """Operations counted so far."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _trace_block(block: nn.Module, args: tuple, kwargs: dict[str, Any], tokens: int) -> tuple[int, int]:
+    """Bytes per token that autograd saves for backward in one forward of ``block``, and the number of
+    kernels that forward runs."""
     x, positional, where = _first_tensor(args, kwargs)
     x = x.detach().requires_grad_(True)
     if positional:
@@ -195,9 +230,10 @@ def _trace_block(block: nn.Module, args: tuple, kwargs: dict[str, Any], tokens: 
         keep.append(t)  # holds ids stable for the duration of the trace
         return t
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counter = _KernelCount()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
         block(*args, **kwargs)
-    return sum(seen.values()) // max(1, tokens)
+    return sum(seen.values()) // max(1, tokens), counter.kernels
 
 
 def _heuristic(block: nn.Module) -> int:
@@ -216,8 +252,9 @@ def estimate_activations(
     seq_len: int,
     example_inputs: dict[str, Any] | None,
     override: int | None,
-) -> tuple[list[int], list[int], str, list[str]]:
-    """Per block: activation bytes per token and input bytes per token; plus the source and notes."""
+) -> tuple[list[int], list[int], list[int], str, list[str]]:
+    """Per block: activation bytes per token, input bytes per token and forward kernels (0: unknown);
+    plus the source and notes."""
     n = len(stack)
     notes: list[str] = []
     with _meta_tracing(_model_device(model).type == "meta"):
@@ -232,7 +269,7 @@ def _estimate(
     seq_len: int,
     example_inputs: dict[str, Any] | None,
     override: int | None,
-) -> tuple[list[int], list[int], str, list[str]]:
+) -> tuple[list[int], list[int], list[int], str, list[str]]:
     try:
         calls = [_capture_block_inputs(model, stack[0], seq_len, example_inputs)]
         if example_inputs is None:
@@ -248,12 +285,12 @@ def _estimate(
         acts = [override if override is not None else _heuristic(b) for b in stack]
         first_linear = next((m for m in stack[0].modules() if isinstance(m, nn.Linear)), None)
         inp = first_linear.in_features * first_linear.weight.element_size() if first_linear is not None else 0
-        return acts, [inp] * n, "override" if override is not None else "heuristic", notes
+        return acts, [inp] * n, [0] * n, "override" if override is not None else "heuristic", notes
     if override is not None:
-        return [override] * n, [input_bytes] * n, "override", notes
+        return [override] * n, [input_bytes] * n, [0] * n, "override", notes
     source = "meta-trace" if x.device.type == "meta" else "measured"
-    cache: dict[tuple[int, int], int] = {}
-    acts = []
+    cache: dict[tuple[int, int], tuple[int, int]] = {}
+    acts, kernels = [], []
     for blk in stack:
         sig = (
             sum(p.numel() for p in blk.parameters() if p.requires_grad),
@@ -266,22 +303,24 @@ def _estimate(
                 logger.warning("activation trace of a block failed (%s); per-linear heuristic", e)
                 notes.append(f"activation trace of a block failed ({type(e).__name__}: {e}); heuristic used")
                 source = "heuristic"
-                cache[sig] = _heuristic(blk)
-        acts.append(cache[sig])
-    return acts, [input_bytes] * n, source, notes
+                cache[sig] = (_heuristic(blk), 0)
+        acts.append(cache[sig][0])
+        kernels.append(cache[sig][1])
+    return acts, [input_bytes] * n, kernels, source, notes
 
 
-def _per_token(block: nn.Module, calls: list[tuple[tuple, dict[str, Any]]]) -> int:
-    """Saved bytes per token without the part that grows with sequence length.
+def _per_token(block: nn.Module, calls: list[tuple[tuple, dict[str, Any]]]) -> tuple[int, int]:
+    """Saved bytes per token without the part that grows with sequence length, and forward kernels.
 
     [Note: a block that materializes T x T attention saves a + b*T bytes per token; the fused attention
     kernels used on the GPU save only the a part. Two traces at T and 2T give a = 2*p(T) - p(2T).]
     """
-    per = []
+    per, kernels = [], 0
     for args, kwargs in calls:
         x, _, _ = _first_tensor(args, kwargs)
         tokens = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
-        per.append(_trace_block(block, args, kwargs, tokens))
+        saved, kernels = _trace_block(block, args, kwargs, tokens)
+        per.append(saved)
     if len(per) == 1:
-        return per[0]
-    return max(0, min(per[0], 2 * per[0] - per[1]))
+        return per[0], kernels
+    return max(0, min(per[0], 2 * per[0] - per[1])), kernels

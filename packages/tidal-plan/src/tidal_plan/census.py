@@ -45,6 +45,14 @@ class BlockCensus:
     """Bytes of the block's input per token (what recompute keeps)."""
     matmul_params: int = 0
     """Elements of 2-D weights (used for FLOP counts)."""
+    matmul_shapes: tuple[tuple[int, int, bool], ...] = ()
+    """``(in_features, out_features, trainable)`` of each 2-D weight, for the per-GEMM roofline; default
+    ``()`` (unknown: the cost model then counts ``matmul_params`` at the peak rate)."""
+    attention_width: int = 0
+    """Query width (heads x head dim) of the block's attention, for its T x T work; 0: none found."""
+    forward_kernels: int = 0
+    """Device operations one forward of the block runs (views excluded), counted in the activation trace;
+    0: unknown."""
 
     @property
     def param_bytes(self) -> int:
@@ -82,6 +90,8 @@ class ModelCensus:
     """Activation bytes per token outside the stack (embedding output, final norm)."""
     tied: tuple[tuple[str, ...], ...]
     """Groups of qualified names that share one parameter (counted once)."""
+    outside_matmul_shapes: tuple[tuple[int, int, bool], ...] = ()
+    """``(in_features, out_features, trainable)`` of each outside 2-D weight (the LM head); default ``()``."""
     param_to_block: dict[str, int | None] = field(default_factory=dict)
     """Every parameter's qualified name (tied aliases too) -> block index, or None outside the stack."""
     param_dtype_bytes: int = 2
@@ -147,10 +157,18 @@ class ModelCensus:
     def from_dict(cls, d: dict[str, Any]) -> ModelCensus:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
-        d["blocks"] = tuple(BlockCensus(**b) for b in d["blocks"])
+        d["blocks"] = tuple(
+            BlockCensus(**{**b, "matmul_shapes": _shapes(b.get("matmul_shapes", ()))}) for b in d["blocks"]
+        )
+        d["outside_matmul_shapes"] = _shapes(d.get("outside_matmul_shapes", ()))
         d["tied"] = tuple(tuple(t) for t in d["tied"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
+
+
+def _shapes(rows: Any) -> tuple[tuple[int, int, bool], ...]:
+    """``matmul_shapes`` read back from JSON lists."""
+    return tuple((int(i), int(o), bool(t)) for i, o, t in rows)
 
 
 def _find_stack(model: nn.Module, blocks: nn.Module | str | None) -> tuple[str, nn.Module]:
@@ -207,9 +225,25 @@ def _linear_weight_ids(module: nn.Module) -> tuple[set[int], set[int]]:
     return mats, embeds
 
 
-def _count(params: list[nn.Parameter], mats: set[int]) -> dict[str, int]:
+def _attention_width(block: nn.Module) -> int:
+    """Query width of the block's attention: a ``q_proj``/``query``/``wq`` projection's output features
+    (a LoRA-wrapped one included), else an ``nn.MultiheadAttention``'s embedding size; 0 if none."""
+    for name, m in block.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return int(m.embed_dim)
+        if name.rsplit(".", 1)[-1] in ("q_proj", "query", "wq"):
+            width = getattr(m, "out_features", None)
+            if not isinstance(width, int):  # a wrapper (an adapter around the projection): its widest linear
+                width = max((x.out_features for x in m.modules() if isinstance(x, nn.Linear)), default=0)
+            if width:
+                return width
+    return 0
+
+
+def _count(params: list[nn.Parameter], mats: set[int]) -> tuple[dict[str, int], tuple]:
     c = dict(trainable_bytes=0, frozen_bytes=0, trainable_params=0, frozen_params=0)
     c.update(quantizable_params=0, quantizable_bytes=0, matmul_params=0)
+    shapes: list[tuple[int, int, bool]] = []
     for p in params:
         nb = p.numel() * p.element_size()
         kind = "trainable" if p.requires_grad else "frozen"
@@ -217,10 +251,11 @@ def _count(params: list[nn.Parameter], mats: set[int]) -> dict[str, int]:
         c[f"{kind}_params"] += p.numel()
         if id(p) in mats:
             c["matmul_params"] += p.numel()
+            shapes.append((int(p.shape[1]), int(p.shape[0]), bool(p.requires_grad)))  # weight [out, in]
             if not p.requires_grad:
                 c["quantizable_params"] += p.numel()
                 c["quantizable_bytes"] += nb
-    return c
+    return c, tuple(shapes)
 
 
 def census(
@@ -285,12 +320,12 @@ def census(
     in_stack_buffers = {id(b) for b in stack.buffers()}
     outside_buf = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in in_stack_buffers)
 
-    acts, inputs, source, notes = estimate_activations(
+    acts, inputs, kernels, source, notes = estimate_activations(
         model, stack, seq_len=seq_len, example_inputs=example_inputs, override=activation_bytes_per_token
     )
     block_list = []
     for i, blk in enumerate(stack):
-        c = _count(per_block_params[i], mats)
+        c, shapes = _count(per_block_params[i], mats)
         buf = sum(b.numel() * b.element_size() for b in blk.buffers())
         block_list.append(
             BlockCensus(
@@ -299,10 +334,13 @@ def census(
                 buffer_bytes=buf,
                 activation_bytes_per_token=acts[i],
                 input_bytes_per_token=inputs[i],
+                matmul_shapes=shapes,
+                attention_width=_attention_width(blk),
+                forward_kernels=kernels[i],
                 **c,
             )
         )
-    oc = _count(outside, mats)
+    oc, outside_shapes = _count(outside, mats)
     trainable = [p for p in param_of.values() if p.requires_grad] or list(param_of.values())
     sizes: dict[int, int] = {}
     for p in trainable:
@@ -321,6 +359,7 @@ def census(
         outside_quantizable_bytes=oc["quantizable_bytes"],
         outside_matmul_params=oc["matmul_params"],
         outside_activation_bytes_per_token=2 * (inputs[0] if inputs else 0),
+        outside_matmul_shapes=outside_shapes,
         tied=tied,
         param_to_block=param_to_block,
         param_dtype_bytes=dtype_bytes,

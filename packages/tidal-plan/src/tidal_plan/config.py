@@ -85,6 +85,9 @@ class PlanConfig:
     at least 256 MiB."""
     master_weights: Literal["auto"] | bool = "auto"
     """Keep fp32 master weights for 16-bit trainable parameters; default ``"auto"`` = yes for 16-bit."""
+    seq_len: int | None = None
+    """Tokens per sequence (attention's work grows with it); default ``None`` = ``batch_tokens`` (one
+    sequence)."""
 
     def __post_init__(self) -> None:
         for name in ("vram_budget", "host_ram", "max_inflight_bytes", "headroom_bytes"):
@@ -114,6 +117,10 @@ class PlanConfig:
             or self.prefetch_depth < 1
         ):
             raise PlanConfigError("prefetch_depth", self.prefetch_depth, "an int >= 1")
+        if self.seq_len is not None and (
+            isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
+        ):
+            raise PlanConfigError("seq_len", self.seq_len, "an int >= 1 (tokens per sequence) or None")
         if self.bytes_per_weight is not None and not callable(self.bytes_per_weight):
             raise PlanConfigError("bytes_per_weight", self.bytes_per_weight, "a callable fmt -> float")
         if self.quantize is not None and self.bytes_per_weight is None:

@@ -19,6 +19,36 @@ HIDDEN_COST_WEIGHT = 0.1
 # optimizer state that fits on the GPU goes there first ("split" before "host").
 HIDDEN_ADAMW_WEIGHT = 0.5
 
+# ---- GPU time (see gpu_time) ----------------------------------------------------------------------------
+# Per kernel: launch gap plus PyTorch's eager dispatch and autograd bookkeeping on the host, which bound
+# short kernels (5-10 us per op on current CPUs; the midpoint-high end, since a step mixes both).
+KERNEL_OVERHEAD_S = 8e-6
+# Autograd runs about two kernels per forward kernel (a gradient per input, plus the accumulations).
+BACKWARD_KERNELS_PER_FORWARD = 2.0
+# Memory-bound work (norms, activations, residuals, rotary, casts) in HBM bytes per byte autograd saves:
+# counting the passes of a Llama/Qwen2 block (RMSNorm computed in fp32, rotary on q and k, SiLU-gated MLP,
+# two residuals) gives about 140 x hidden bytes per token read + written in forward and 2.2 times that in
+# backward, against 46 x hidden bytes saved.
+ELEMENTWISE_BYTES_PER_SAVED_BYTE = 9.0
+ELEMENTWISE_BACKWARD_PER_FORWARD = 2.2
+# Fused attention (FlashAttention-2 / torch SDPA) runs at about half the dense matmul rate (softmax
+# exponentials between the two matmuls); its backward does 5 matmuls per tile against forward's 2.
+ATTENTION_EFFICIENCY = 0.5
+ATTENTION_BACKWARD_PER_FORWARD = 2.5
+# The loss over the logits: an fp32 copy of the bf16 logits (2 B read + 4 written), log-softmax
+# (4 + 4), its backward (4 + 4 read, 4 written), the gradient's bf16 cast (4 + 2) and the scatter of the
+# target term (4): about 36 bytes of HBM traffic per logit.
+LOSS_BYTES_PER_LOGIT = 36
+LOSS_FORWARD_SHARE = 14 / 36
+# Bytes per parameter of the update the profile's host AdamW rate was measured on: fp32 weight read and
+# written, fp32 gradient read, two fp32 moments read and written.
+HOST_ADAMW_PROFILED_BYTES = 28
+# fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
+# specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
+FP32_MATMUL_SHARE = 1 / 15
+# Dequantizing a stored weight to bf16 before its matmul writes 2 bytes per weight beyond reading it.
+DEQUANT_WRITE_BYTES = 2
+
 
 @dataclass
 class Context:
@@ -34,6 +64,8 @@ class Context:
     host_usable: int
     master: bool
     bytes_per_weight: Callable[[str], float] | None
+    seq_len: int = 0
+    """Tokens per sequence for attention's work (0: all ``tokens`` are one sequence)."""
 
 
 @dataclass
@@ -89,6 +121,17 @@ def state_bytes_per_param(ctx: Context, moment: str) -> int:
     return (8 if moment == "fp32" else 4) + (4 if ctx.master else 0)
 
 
+def adamw_bytes(ctx: Context, moment: str) -> int:
+    """HBM (or host memory) bytes one AdamW update moves per parameter.
+
+    With fp32 masters of 16-bit weights: widen the gradient (p read, 4 written), the fused update on fp32
+    master, gradient and moments (12 + 4m), narrow the new weight (4 read, p written). Without: the fused
+    update on the weight itself (3p + 4m). ``p`` is the weight's element size, ``m`` the moments'.
+    """
+    p, m = ctx.census.param_dtype_bytes, (4 if moment == "fp32" else 2)
+    return 2 * p + 20 + 4 * m if ctx.master else 3 * p + 4 * m
+
+
 def storage_bytes(ctx: Context, fmt: str, total: int, q_params: int, q_bytes: int) -> int:
     """Bytes of weights whose frozen linear part (``q_params`` elements, ``q_bytes`` now) is stored as ``fmt``."""
     if fmt == "exact" or q_params == 0:
@@ -113,6 +156,100 @@ def outside_weight_bytes(ctx: Context, fmt: str) -> int:
     c = ctx.census
     total = c.outside_trainable_bytes + c.outside_frozen_bytes + c.outside_buffer_bytes
     return storage_bytes(ctx, fmt, total, c.outside_quantizable_params, c.outside_quantizable_bytes)
+
+
+@dataclass
+class GpuTime:
+    """Seconds of GPU work in one step (see :func:`gpu_time`)."""
+
+    total_s: float
+    backward_s: float
+    recompute_s: float
+    parts: dict[str, float]
+
+
+def _matmul_rate(ctx: Context) -> float:
+    """FLOP/s of the model's matmuls: the profiled bf16 rate, or its fp32 share for fp32 weights on a GPU."""
+    rate = ctx.profile.matmul_tflops * 1e12
+    fp32_on_gpu = ctx.census.param_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
+    return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
+
+
+def _gemm_s(ctx: Context, m: int, k: int, n: int) -> float:
+    """Roofline of one ``[m, k] x [k, n]`` matmul: FLOPs at the peak rate or its operands and result at
+    HBM bandwidth, whichever is longer, plus the per-kernel overhead."""
+    prof, elem = ctx.profile, ctx.census.param_dtype_bytes
+    flops_s = 2 * m * k * n / _matmul_rate(ctx)
+    bytes_s = elem * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9)
+    return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S
+
+
+def _matmuls_s(
+    ctx: Context, shapes: tuple[tuple[int, int, bool], ...], matmul: int, frozen: int
+) -> tuple[float, float]:
+    """Forward and backward seconds of a module's matmuls: forward, the input gradient, and the weight
+    gradient of trainable weights (each the same GEMM shape). Without shapes (an old census): the FLOPs
+    of ``matmul`` weights (``frozen`` of them without a weight gradient) at the peak rate."""
+    t = ctx.tokens
+    if not shapes:
+        rate = _matmul_rate(ctx)
+        return 2 * matmul * t / rate, (4 * matmul - 2 * frozen) * t / rate
+    fwd = bwd = 0.0
+    for k, n, trainable in shapes:
+        g = _gemm_s(ctx, t, k, n)
+        fwd += g
+        bwd += g * (2 if trainable else 1)
+    return fwd, bwd
+
+
+def gpu_time(ctx: Context, s: State) -> GpuTime:
+    """GPU seconds of one step under ``s``: matmuls by the roofline of their GEMM shapes, attention's
+    T x T work, memory-bound elementwise work, the loss over the logits, kernel overheads, dequantizing
+    stored weights, and the AdamW update of the parameters kept on the GPU."""
+    c, prof, t = ctx.census, ctx.profile, ctx.tokens
+    hbm = prof.hbm_gbps * 1e9
+    peak = _matmul_rate(ctx)
+    ctx_avg = (min(ctx.seq_len or t, t) + 1) / 2  # causal: each query attends to half the sequence
+    ew_fwd_share = 1 / (1 + ELEMENTWISE_BACKWARD_PER_FORWARD)
+    dequant = s.fmt != "exact" and not (s.fmt == "fp8" and prof.has_fp8_tensor_cores)
+    bpw = float(ctx.bytes_per_weight(s.fmt)) if dequant and ctx.bytes_per_weight else 0.0
+    parts = dict.fromkeys(
+        ("matmul", "attention", "elementwise", "launch", "dequant", "loss", "gpu_adamw"), 0.0
+    )
+    fwd_total = bwd_total = recompute = 0.0
+    for b in c.blocks:
+        passes = 2 if s.act[b.index] == "recompute" else 1  # recompute repeats the forward in backward
+        mm_f, mm_b = _matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
+        att = 4 * t * b.attention_width * ctx_avg / (ATTENTION_EFFICIENCY * peak)  # QK^T and AV
+        ew = ELEMENTWISE_BYTES_PER_SAVED_BYTE * b.activation_bytes_per_token * t / hbm
+        other = max(0, b.forward_kernels - len(b.matmul_shapes)) * KERNEL_OVERHEAD_S
+        # a stored (quantized) weight is dequantized for each use: forward, recompute, input gradient
+        dq = b.quantizable_params * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0
+        f = mm_f + att + ew * ew_fwd_share + other + dq
+        parts["matmul"] += mm_f * passes + mm_b
+        parts["attention"] += att * (passes + ATTENTION_BACKWARD_PER_FORWARD)
+        parts["elementwise"] += ew * (1 + (passes - 1) * ew_fwd_share)
+        parts["launch"] += other * (passes + BACKWARD_KERNELS_PER_FORWARD)
+        parts["dequant"] += dq * (passes + 1)
+        fwd_total += f
+        bwd_total += (passes - 1) * f + mm_b + att * ATTENTION_BACKWARD_PER_FORWARD
+        bwd_total += ew * (1 - ew_fwd_share) + other * BACKWARD_KERNELS_PER_FORWARD + dq
+        recompute += (passes - 1) * f
+    out_frozen = c.outside_quantizable_params
+    mm_f, mm_b = _matmuls_s(ctx, c.outside_matmul_shapes, c.outside_matmul_params, out_frozen)
+    vocab = max((n for _, n, _ in c.outside_matmul_shapes), default=0)
+    loss = LOSS_BYTES_PER_LOGIT * t * vocab / hbm
+    dq = out_frozen * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0  # a stored LM head
+    parts["matmul"] += mm_f + mm_b
+    parts["loss"] = loss
+    parts["dequant"] += 2 * dq
+    fwd_total += mm_f + loss * LOSS_FORWARD_SHARE + dq
+    bwd_total += mm_b + loss * (1 - LOSS_FORWARD_SHARE) + dq
+    on_gpu = sum(b.trainable_params for b in c.blocks if s.opt_gpu[b.index])
+    on_gpu += c.outside_trainable_params if s.outside_opt_gpu else 0
+    parts["gpu_adamw"] = on_gpu * adamw_bytes(ctx, s.moment) / hbm
+    total = fwd_total + bwd_total + parts["gpu_adamw"]
+    return GpuTime(total_s=total, backward_s=bwd_total, recompute_s=recompute, parts=parts)
 
 
 def evaluate(ctx: Context, s: State) -> Evaluation:
@@ -179,19 +316,8 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     pinned -= overflow
     pageable += overflow
 
-    # Time. Forward: 2 FLOP per weight per token; backward: 2 for the input gradient, 2 more for the
-    # weight gradient of trainable weights; recompute repeats the forward.
-    fwd = bwd = 0.0
-    for b in c.blocks:
-        trainable_mm = b.matmul_params - b.quantizable_params
-        fwd += 2 * b.matmul_params * n_tok * (2 if s.act[b.index] == "recompute" else 1)
-        bwd += (2 * b.matmul_params + 2 * trainable_mm) * n_tok
-    out_trainable_mm = c.outside_matmul_params - c.outside_quantizable_params
-    fwd += 2 * c.outside_matmul_params * n_tok
-    bwd += (2 * c.outside_matmul_params + 2 * out_trainable_mm) * n_tok
-    rate = prof.matmul_tflops * 1e12
-    compute_s, bwd_s = (fwd + bwd) / rate, bwd / rate
-    recompute_s = sum(2 * b.matmul_params * n_tok for b in c.blocks if s.act[b.index] == "recompute") / rate
+    gpu = gpu_time(ctx, s)
+    compute_s, bwd_s, recompute_s = gpu.total_s, gpu.backward_s, gpu.recompute_s
 
     h2d = 2 * sum(sb.values()) + offload_bytes
     h2d += sum(b.trainable_bytes for b in host_opt if s.resident[b.index])  # updated weights return
@@ -206,11 +332,17 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     exposed_transfer_s = max(0.0, transfer_s - compute_s) + min(fill_s, transfer_s)
 
     hosted = sum(b.trainable_params for b in host_opt) + (0 if s.outside_opt_gpu else out_train)
-    adamw_rate = prof.host_adamw_params_per_s
+    # The profile times torch's fused AdamW on fp32 tensors; the host update also widens 16-bit
+    # gradients and narrows the new weights, which costs in proportion to the bytes it moves.
+    adamw_rate = prof.host_adamw_params_per_s * HOST_ADAMW_PROFILED_BYTES / adamw_bytes(ctx, s.moment)
     host_adamw_s = hosted / adamw_rate
-    # Backward hides the host updates except the last block's (block 0 and the embeddings finish last).
+    # The host starts on the first gradients backward lands and works through the rest as they arrive;
+    # the next forward needs every update (the embeddings' gradient lands last). Backward and the GPU's
+    # own update hide the host work up to their length; the updates of the last gradients (block 0,
+    # the embeddings) cannot be hidden.
     tail = max((b.trainable_params for b in host_opt), default=0) + (0 if s.outside_opt_gpu else out_train)
-    exposed_opt_s = max(0.0, host_adamw_s - bwd_s) + min(host_adamw_s, tail / adamw_rate)
+    hidden_by = bwd_s + gpu.parts["gpu_adamw"]
+    exposed_opt_s = max(host_adamw_s - hidden_by, min(host_adamw_s, tail / adamw_rate)) if hosted else 0.0
     step_s = compute_s + exposed_transfer_s + exposed_opt_s
     costs = {"compute": compute_s, "pcie": transfer_s, "host_adamw": host_adamw_s}
     bound = max(costs, key=lambda k: costs[k])
@@ -224,6 +356,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
         exposed_optimizer_s=exposed_opt_s,
         step_s=step_s,
         bound=bound,  # type: ignore[arg-type]
+        parts=gpu.parts,
     )
     objective = step_s + HIDDEN_COST_WEIGHT * (transfer_s + recompute_s) + HIDDEN_ADAMW_WEIGHT * host_adamw_s
     return Evaluation(vram, host, pinned, pageable, gpu_state, host_state, window, pred, objective)

@@ -25,9 +25,18 @@ logger = logging.getLogger(__name__)
 UNLIMITED = 2**63 - 1
 """``pagelock_limit_bytes`` when ``ulimit -l`` is unlimited."""
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 # Fields measured by timing (cached); the rest (free memory, budget, host RAM) is read fresh every call.
-_MEASURED = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "matmul_tflops", "host_adamw_params_per_s")
+_MEASURED = (
+    "h2d_gbps",
+    "d2h_gbps",
+    "bidir_gbps",
+    "matmul_tflops",
+    "host_adamw_params_per_s",
+    "hbm_gbps",
+)
+DEFAULT_HBM_GBPS = 4200.0
+"""``hbm_gbps`` of a profile that does not give it: an H200-class device copy (read + write counted)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class HardwareProfile:
     """FP4 tensor cores (sm_100+)."""
     notes: tuple[str, ...] = field(default=())
     """Degradations found while profiling (e.g. a rate that could not be measured), one line each."""
+    hbm_gbps: float = DEFAULT_HBM_GBPS
+    """Device memory bandwidth, GB/s, bytes read plus bytes written (a device-to-device copy of N bytes
+    moves 2N); default 4200 (an H200-class device); measured by :func:`profile_hardware`."""
 
     def __post_init__(self) -> None:
         if self.device_kind not in ("cuda", "cpu"):
@@ -119,6 +131,7 @@ class HardwareProfile:
             bidir_gbps=94.0,
             matmul_tflops=780.0,
             host_adamw_params_per_s=4.0e9,
+            hbm_gbps=DEFAULT_HBM_GBPS,
             host_threads=16,
             has_fp8_tensor_cores=True,
             has_fp4_tensor_cores=False,
@@ -177,7 +190,7 @@ class HardwareProfile:
             f"host        RAM {format_bytes(self.host_ram_bytes)}, page-lock limit {lock}, {self.host_threads} threads",
             f"link        H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f} GB/s, both {self.bidir_gbps:.1f} GB/s",
             f"compute     bf16 matmul {self.matmul_tflops:.4g} TFLOP/s; host AdamW "
-            f"{self.host_adamw_params_per_s / 1e9:.2f} G params/s",
+            f"{self.host_adamw_params_per_s / 1e9:.2f} G params/s; device memory {self.hbm_gbps:.0f} GB/s",
         ]
         lines += [f"note        {n}" for n in self.notes]
         return "\n".join(lines)

@@ -131,7 +131,14 @@ def _cuda_rates(dev: torch.device, quick: bool) -> dict[str, float]:
         cur.wait_stream(s_out)
 
     bidir_s = _time_cuda(both, reps)
+    # Device memory: a copy reads and writes every byte (counted both ways, as the roofline does).
+    # 1 GiB quick, 4 GiB full (about 0.5 ms / 2 ms on an H200), at most an eighth of the free memory
+    big = max(nbytes, min(nbytes * 4, torch.cuda.mem_get_info(dev)[0] // 8))
+    src = torch.empty(big, dtype=torch.uint8, device=dev).random_(0, 256)
+    dst = torch.empty_like(src)
+    hbm_s = _time_cuda(lambda: dst.copy_(src), reps)
     return {
+        "hbm_gbps": 2 * big / hbm_s / 1e9,
         "h2d_gbps": nbytes / h2d_s / 1e9,
         "d2h_gbps": nbytes / d2h_s / 1e9,
         "bidir_gbps": 2 * nbytes / bidir_s / 1e9,
@@ -175,7 +182,13 @@ def _cpu_stand_in_rates(quick: bool) -> dict[str, float]:
     b = torch.randn(n, n, dtype=torch.bfloat16)
     mm_s = _time_host(lambda: torch.mm(a, b), 5)
     gbps = nbytes / copy_s / 1e9
-    return {"h2d_gbps": gbps, "d2h_gbps": gbps, "bidir_gbps": gbps, "matmul_tflops": 2 * n**3 / mm_s / 1e12}
+    return {
+        "h2d_gbps": gbps,
+        "d2h_gbps": gbps,
+        "bidir_gbps": gbps,
+        "matmul_tflops": 2 * n**3 / mm_s / 1e12,
+        "hbm_gbps": 2 * gbps,  # the CPU's memory is its "device memory"; a copy reads and writes
+    }
 
 
 def host_adamw_rate(n_params: int, steps: int) -> float:

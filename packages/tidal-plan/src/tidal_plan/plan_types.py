@@ -64,7 +64,9 @@ class StepPrediction:
     """Predicted time of one optimizer step and what bounds it."""
 
     compute_s: float
-    """Matmul FLOPs (recompute included) over the measured matmul rate."""
+    """GPU work (recompute included): matmuls by a roofline of their GEMM shapes at the measured matmul
+    rate and HBM bandwidth, attention, memory-bound elementwise work, the loss, kernel overheads and the
+    AdamW update of parameters kept on the GPU (see ``parts``)."""
     transfer_s: float
     """All PCIe traffic of a step at the measured rates."""
     exposed_transfer_s: float
@@ -82,6 +84,10 @@ class StepPrediction:
     :func:`compare_prediction`."""
     bound: Literal["compute", "pcie", "host_adamw", "host_ram"]
     """The resource that bounds the step."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """``compute_s`` by kind, seconds: ``matmul`` (kernel overheads of the GEMMs included),
+    ``attention``, ``elementwise``, ``launch`` (other kernels' overheads), ``dequant``, ``loss``,
+    ``gpu_adamw``. Empty in plans saved before it existed."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,10 @@ class Plan:
             f"{p.exposed_transfer_s * 1e3:.1f} ms (of {p.transfer_s * 1e3:.1f}) + exposed host AdamW "
             f"{p.exposed_optimizer_s * 1e3:.1f} ms (of {p.host_adamw_s * 1e3:.1f}); bound: {p.bound}"
         )
+        if p.parts:
+            lines.append(
+                "  compute = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p.parts.items() if v) + " ms"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -259,6 +259,7 @@ def _context(census: ModelCensus, profile: HardwareProfile, config: PlanConfig) 
         host_usable=max(0, host - max(GiB, host // 20)),
         master=master,
         bytes_per_weight=config.bytes_per_weight,
+        seq_len=config.seq_len or 0,
     )
 
 

@@ -110,11 +110,13 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
 
-    from tidal_plan import parse_bytes
-    from tidal_stream import memory_report, wrap
+    from tidal_plan import compare_prediction, parse_bytes
+    from tidal_stream import memory_report, session_of, wrap
 
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda" means the current device; set_device needs its index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     filler_bytes = 0
     filler = None
@@ -201,6 +203,9 @@ def main() -> None:
         "pinned_bytes": report.get("pinned_bytes"),
         "placement": [e["message"] for e in report["events"] if e["kind"] in ("placement", "plan")],
     }
+    plan = session_of(model).plan
+    if plan is not None:  # the planner's predicted step time beside the measured one
+        result["prediction"] = compare_prediction(plan, step_med)
     for line in result["placement"]:
         print(line)
     print(
@@ -208,6 +213,8 @@ def main() -> None:
         f"{step_med - floor_med:.3f} s; peak VRAM {peak / GiB:.2f} GiB (filler excluded); wrap {wrap_s:.1f} s; "
         f"losses {losses_f[0]:.3f} -> {losses_f[-1]:.3f}"
     )
+    if "prediction" in result:
+        print(result["prediction"]["summary"])
     print(f"goal <= 0.30 s per step: {'met' if step_med <= 0.30 else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:

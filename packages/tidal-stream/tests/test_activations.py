@@ -126,6 +126,29 @@ def test_offloaded_tensors_live_on_host_and_prefetch_ahead_of_backward():
     assert st["demand_fetches"] == 0
 
 
+def test_recompute_twice_per_forward_over_several_steps():
+    """Regression: torch enters a block's recompute context once per backward that unpacks it (here a
+    ``retain_graph`` backward then a second one, as ``autograd.grad`` calls inside a forward do); every
+    entry must work and the gradients match the plain model's (dropout masks included)."""
+    ref, model = make(torch.float32, "cpu")
+    h = install_activation_policy(model.layers, ["recompute"] * 4, device="cpu")
+    for step in range(3):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m in (ref, model):
+            torch.manual_seed(step)
+            loss = m(x)
+            loss.backward(retain_graph=True)
+            loss.backward()  # a second pass over the same graph: each checkpointed block recomputes again
+            losses.append(loss.detach().reshape(1))
+        assert_bitwise_equal(losses[0], losses[1], f"loss {step}")
+        for (name, pr), pm in zip(ref.named_parameters(), model.parameters()):
+            assert_bitwise_equal(pr.grad, pm.grad, f"grad {name} step {step}")
+        ref.zero_grad()
+        model.zero_grad()
+    assert h.stats()["recomputed_forwards"] == 4 * 2 * 3
+
+
 def test_keep_changes_nothing_and_remove():
     _, model = make(torch.float32, "cpu")
     h = install_activation_policy(model.layers, ["keep"] * 4, device="cpu")

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,39 @@ def test_recompute_runs_under_the_same_backend():
         y = blk(y)
     y.square().mean().backward()  # checkpoint's determinism check would fail on a different backend
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_timing_inside_a_hooked_forward_is_private(policy):
+    """Regression: a backend timed for the first time inside a checkpointed (or offloaded) block's forward
+    times its own SDPA backward; the enclosing block is neither recomputed nor offloaded for it."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Attn(), Attn()])
+    ref = copy.deepcopy(blocks)
+    h = install_attention(blocks, "auto")
+    acts = install_activation_policy(blocks, [policy] * 2, device="cpu", min_offload_bytes=0)
+    x = torch.randn(2, 11, 32)  # a shape no other test times: the cache is cold
+    for step in range(2):
+        y = x
+        for blk in blocks:
+            y = blk(y)
+        st = acts.stats()
+        if policy == "recompute":
+            assert st["recomputed_forwards"] == 2 * step  # none during the forward
+        else:  # block 0 timed (cold cache), block 1 not: the timing tensors were not offloaded with it
+            assert st["block_offloaded_bytes"][0] == st["block_offloaded_bytes"][1] > 0
+        y.square().mean().backward()
+    assert acts.stats()["recomputed_forwards"] == (2 * 2 if policy == "recompute" else 0)
+    chosen = next(iter(h.choices.values())).backend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([{"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[chosen]]):
+        y = x
+        for blk in ref:
+            y = blk(y)
+        (y.square().mean() * 2).backward()  # two steps' gradients accumulated
+    for p, q in zip(ref.parameters(), blocks.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
 
 
 def test_bad_backend_names():

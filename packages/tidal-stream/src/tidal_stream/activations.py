@@ -118,6 +118,23 @@ class _Packed:
             self.handle = None
 
 
+class _Recomputing:
+    """Context of one recompute of block ``i`` (re-enterable: torch may recompute a block several times)."""
+
+    __slots__ = ("handle", "i")
+
+    def __init__(self, handle: ActivationHandle, i: int) -> None:
+        self.handle = handle
+        self.i = i
+
+    def __enter__(self) -> None:
+        self.handle._recomputing[self.i] = True  # the block's pre-hook must not checkpoint the recompute
+        self.handle._stats["recomputed_forwards"] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle._recomputing[self.i] = False
+
+
 class ActivationHandle:
     """Installed activation policies of a block list; see the module docstring."""
 
@@ -208,22 +225,16 @@ class ActivationHandle:
                 hooks.__enter__()
                 self._ctx[i].append(hooks)
             elif policy == "recompute":
+                # torch calls context_fn once per checkpointed forward but enters the recompute context
+                # once per backward that unpacks (each autograd.grad / retain_graph pass): it must be
+                # re-enterable, which a @contextmanager object is not
                 gen = _checkpoint_generator(
-                    module, lambda: (contextlib.nullcontext(), self._recompute_ctx(i)), args, kwargs
+                    module, lambda: (contextlib.nullcontext(), _Recomputing(self, i)), args, kwargs
                 )
                 next(gen)
                 self._ctx[i].append(gen)
 
         return pre
-
-    @contextlib.contextmanager
-    def _recompute_ctx(self, i: int) -> Any:
-        self._recomputing[i] = True
-        self._stats["recomputed_forwards"] += 1
-        try:
-            yield
-        finally:
-            self._recomputing[i] = False
 
     def _make_post(self, i: int) -> Callable[..., None]:
         def post(module: nn.Module, args: Any, output: Any) -> None:

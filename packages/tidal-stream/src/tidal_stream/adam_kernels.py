@@ -1,9 +1,11 @@
 """The Adam/AdamW update on one tensor: torch's fused kernels, plus bf16 moments with stochastic rounding.
 
 ``torch._fused_adamw_`` / ``torch._fused_adam_`` run on CPU tensors (vectorised, multi-threaded) and on
-CUDA tensors; on fp32 state they are bit-identical to ``torch.optim.AdamW``'s single-tensor path on the
-CPU (checked in tests). bf16 moments are widened to fp32 in chunks, updated by the same kernel, and
-narrowed back with stochastic rounding so small updates are not systematically lost.
+CUDA tensors; on fp32 state they are bit-identical to ``torch.optim.AdamW(fused=True)`` on the same
+device (checked in tests). torch's other paths (single-tensor, foreach) round differently in the last
+bits, and the CPU and CUDA kernels need not agree bit for bit. bf16 moments are widened to fp32 in
+chunks, updated by the same kernel, and narrowed back with stochastic rounding so small updates are not
+systematically lost.
 """
 
 from __future__ import annotations

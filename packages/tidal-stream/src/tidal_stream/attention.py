@@ -183,6 +183,10 @@ def time_sdpa_backends(
     return choice
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _time_one(
     backend: SDPBackend,
     q: torch.Tensor,
@@ -195,7 +199,14 @@ def _time_one(
 ) -> float:
     gqa = q.shape[1] != k.shape[1]
     samples = []
-    with warnings.catch_warnings(), sdpa_kernel([backend]):
+    # timing may run inside a block's forward whose saved-tensor hooks checkpoint or offload what autograd
+    # saves: the timing graph is private, so its tensors are saved as they are (else its backward would
+    # recompute the enclosing block, or copy the timing tensors to the host)
+    with (
+        torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is),
+        warnings.catch_warnings(),
+        sdpa_kernel([backend]),
+    ):
         warnings.simplefilter("ignore")  # torch warns per backend it rejects; rejection is the answer
         for r in range(repeats + 1):
             _sync(q.device)

@@ -31,6 +31,9 @@ class HostWorker:
 
     def __init__(self, device: torch.device, on_error: Callable[[], None]) -> None:
         self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue()
+        if device.type == "cuda" and device.index is None:
+            # "cuda" means the caller's current device; the thread's own current device is always 0
+            device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self._on_error = on_error
         self.error: BaseException | None = None

@@ -26,37 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-
-class _Block(nn.Module):
-    """Pre-norm residual MLP block (the unit that streams)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))  # [B, T, D]
-
-
-class SoakLM(nn.Module):
-    """Embedding, a stack of MLP blocks, final norm and head."""
-
-    def __init__(self, vocab: int, dim: int, layers: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(_Block(dim) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)  # [B, T, D]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))  # [B, T, V]
+# The model is the reliability scenarios' TinyLM (embedding, pre-norm residual MLP blocks that stream,
+# final norm, untied head), with 4x-wide MLPs here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests-integration" / "reliability"))
+from _common import TinyLM
 
 
 def rss_bytes() -> int:
@@ -102,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    model = SoakLM(args.vocab, args.dim, args.layers).to(device)
+    model = TinyLM(args.vocab, args.dim, args.layers, mlp_ratio=4).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     t0 = time.perf_counter()

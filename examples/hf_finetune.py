@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 import torch
 
 import tidal_hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/_hf_common.py, also when loaded by path
+from _hf_common import LORA_TARGETS, LabeledIds, quantize_option, tidal_options, training_args
 
 
 def stdlib_text(max_bytes: int, held_out: float = 0.1) -> tuple[str, str]:
@@ -36,18 +40,12 @@ def stdlib_text(max_bytes: int, held_out: float = 0.1) -> tuple[str, str]:
     return "\n".join(text[:cut]), "\n".join(text[cut:])
 
 
-class Chunks(torch.utils.data.Dataset):
+class Chunks(LabeledIds):
     """Fixed-length windows of a token stream (labels = inputs)."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int) -> None:
         n = len(ids) // seq_len
-        self.ids = ids[: n * seq_len].view(n, seq_len)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        super().__init__(ids[: n * seq_len].view(n, seq_len))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,10 +81,8 @@ def perplexity(model: torch.nn.Module, data: Chunks, batch: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; returns (and prints as JSON) held-out perplexity before and after."""
-    from transformers import TrainingArguments
-
     a = parse(argv)
-    quantize = None if a.quantize.lower() == "none" else a.quantize.lower()
+    quantize = quantize_option(a.quantize)
     train_text, test_text = stdlib_text(a.max_bytes)
     cuda = torch.cuda.is_available()
     if a.model:
@@ -116,30 +112,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.lora:
         from peft import get_peft_model
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, tidal_hf.lora_config(r=16, lora_alpha=32, target_modules=targets))
+        model = get_peft_model(model, tidal_hf.lora_config(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
     train, test = Chunks(encode(train_text), a.seq_len), Chunks(encode(test_text), a.seq_len)
     before = perplexity(model, test, a.batch_size)
-    args = TrainingArguments(
-        output_dir=a.output_dir,
-        per_device_train_batch_size=a.batch_size,
+    args = training_args(
+        a.output_dir,
+        a.batch_size,
+        a.steps,
+        a.lr,
+        logging_steps=10,
         gradient_accumulation_steps=a.grad_accum,
-        max_steps=a.steps,
-        learning_rate=a.lr,
         weight_decay=0.01,
         lr_scheduler_type="cosine",
         warmup_steps=max(1, a.steps // 10),
         max_grad_norm=1.0,
-        bf16=cuda,
-        use_cpu=not cuda,
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        optim="adamw_torch",
-        disable_tqdm=True,
     )
-    tidal = {"vram_budget": a.vram_budget} if a.vram_budget else {}
-    trainer = tidal_hf.TidalTrainer(model=model, args=args, train_dataset=train, tidal=tidal)
+    trainer = tidal_hf.TidalTrainer(
+        model=model, args=args, train_dataset=train, tidal=tidal_options(a.vram_budget)
+    )
     trainer.train()
     trainer.tidal_optimizer.synchronize()
     after = perplexity(model, test, a.batch_size)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,19 +23,16 @@ import tidal_hf
 from tidal_hf.callbacks import StepTimeCallback
 from tidal_hf.shapes import QWEN25_SIZES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/_hf_common.py, also when loaded by path
+from _hf_common import LORA_TARGETS, LabeledIds, quantize_option, tidal_options, training_args
 
-class RandomTokens(torch.utils.data.Dataset):
+
+class RandomTokens(LabeledIds):
     """``n`` sequences of random token ids (labels = inputs)."""
 
     def __init__(self, vocab: int, n: int, seq_len: int, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        super().__init__(torch.randint(0, vocab, (n, seq_len), generator=g))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,11 +55,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the example; returns the measured numbers (also printed as one JSON line)."""
     from peft import get_peft_model
-    from transformers import TrainingArguments
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     a = parse(argv)
-    quantize = None if a.quantize.lower() == "none" else a.quantize.lower()
+    quantize = quantize_option(a.quantize)
     overrides = {"num_hidden_layers": a.layers} if a.layers else {}
     if a.size:
         config = tidal_hf.qwen25_config(a.size, **overrides)
@@ -68,29 +66,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         model = tidal_hf.load_model(a.model, quantize=quantize, **overrides)
     model.config.use_cache = False
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = tidal_hf.lora_config(r=a.rank, lora_alpha=2 * a.rank, target_modules=targets, task_type="CAUSAL_LM")
+    cfg = tidal_hf.lora_config(
+        r=a.rank, lora_alpha=2 * a.rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+    )
     model = get_peft_model(model, cfg)
     model.print_trainable_parameters()
-    cuda = torch.cuda.is_available()
-    args = TrainingArguments(
-        output_dir=a.output_dir,
-        per_device_train_batch_size=a.batch_size,
-        max_steps=a.steps,
-        learning_rate=a.lr,
-        bf16=cuda,
-        use_cpu=not cuda,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        optim="adamw_torch",
-        disable_tqdm=True,
-    )
+    args = training_args(a.output_dir, a.batch_size, a.steps, a.lr, logging_steps=1)
     timer = StepTimeCallback()
     data = RandomTokens(model.config.vocab_size, a.steps * a.batch_size, a.seq_len)
-    tidal = {"vram_budget": a.vram_budget} if a.vram_budget else {}
     trainer = tidal_hf.TidalTrainer(
-        model=model, args=args, train_dataset=data, tidal=tidal, callbacks=[timer]
+        model=model, args=args, train_dataset=data, tidal=tidal_options(a.vram_budget), callbacks=[timer]
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

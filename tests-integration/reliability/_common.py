@@ -12,25 +12,28 @@ VOCAB, DIM, LAYERS, SEQ, BATCH = 64, 32, 3, 16, 2
 
 
 class Block(nn.Module):
-    """Pre-norm residual MLP block."""
+    """Pre-norm residual MLP block (hidden width ``mlp_ratio * dim``)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, mlp_ratio: int = 2) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
+        self.up = nn.Linear(dim, mlp_ratio * dim)
+        self.down = nn.Linear(mlp_ratio * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))  # [B, T, D]
 
 
 class TinyLM(nn.Module):
-    """Embedding, a stack of residual MLP blocks, a final norm and an untied head."""
+    """Embedding, a stack of residual MLP blocks, a final norm and an untied head.
 
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = LAYERS) -> None:
+    Also the soak benchmark's model (``benchmarks/soak.py``, with ``mlp_ratio=4``).
+    """
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = LAYERS, mlp_ratio: int = 2) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, mlp_ratio) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: pageable arenas, a CPU stand-in for a CUDA event, random bytes, kernel counters."""
+"""Shared fixtures: pageable arenas, a CPU stand-in for a CUDA event, random bytes, kernel counters,
+copy bandwidth."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def kernel_memory_counters() -> dict[str, int]:
     return out
 
 
+def copy_bandwidth_gbps(src: torch.Tensor, dst: torch.Tensor, reps: int = 8) -> float:
+    """GB/s of ``dst.copy_(src, non_blocking=True)``, timed with CUDA events after a warm-up."""
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()  # why: the warm-up copy must finish before timing starts
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )  # why: device-side timing of the copies
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()  # why: elapsed_time needs both events complete
+    return src.numel() * src.element_size() * reps / (start.elapsed_time(end) / 1e3) / 1e9
+
+
 @pytest.fixture
 def make_arena():
     """Factory for pageable arenas that are closed after the test."""
@@ -78,3 +95,9 @@ def rand_bytes():
 def mem_counters():
     """:func:`kernel_memory_counters`."""
     return kernel_memory_counters
+
+
+@pytest.fixture
+def copy_gbps():
+    """:func:`copy_bandwidth_gbps`."""
+    return copy_bandwidth_gbps

@@ -336,22 +336,6 @@ def test_auto_falls_back_to_pageable_and_cupy_is_an_error_without_cuda(caplog):
 
 
 # -- GPU: the page-locked backend ---------------------------------------------------------------------------
-def _bandwidth(src: torch.Tensor, dst: torch.Tensor, reps: int = 8) -> float:
-    """GB/s of ``dst.copy_(src, non_blocking=True)``, timed with CUDA events after a warm-up."""
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()  # why: the warm-up copy must finish before timing starts
-    start, end = (
-        torch.cuda.Event(enable_timing=True),
-        torch.cuda.Event(enable_timing=True),
-    )  # why: device-side timing of the copies
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()  # why: elapsed_time needs both events complete
-    return src.numel() * src.element_size() * reps / (start.elapsed_time(end) / 1e3) / 1e9
-
-
 @pytest.mark.gpu
 def test_gpu_blocks_are_pinned_per_torch(rand_bytes):
     with PinnedArena(ArenaConfig(backend="cupy", slab_bytes=8 * MiB)) as arena:
@@ -370,16 +354,16 @@ def test_gpu_blocks_are_pinned_per_torch(rand_bytes):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mib", [64, 256])
-def test_gpu_h2d_d2h_bandwidth_from_arena_blocks(mib, rand_bytes):
+def test_gpu_h2d_d2h_bandwidth_from_arena_blocks(mib, rand_bytes, copy_gbps):
     n = mib * MiB
     with PinnedArena(ArenaConfig(backend="cupy", slab_bytes=n)) as arena:
         host = arena.alloc(n).tensor(torch.uint8)
         host.copy_(rand_bytes(n, mib))
         dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-        h2d = _bandwidth(host, dev)
+        h2d = copy_gbps(host, dev)
         assert torch.equal(dev[:4096].cpu(), host[:4096]) and torch.equal(dev[-4096:].cpu(), host[-4096:])
         dev.add_(1)  # different data back
-        d2h = _bandwidth(dev, host)
+        d2h = copy_gbps(dev, host)
         assert torch.equal(host[:4096], dev[:4096].cpu())
         print(f"\narena {mib} MiB: H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
         assert h2d >= 50.0, f"H2D from an arena block: {h2d:.1f} GB/s < 50"

@@ -35,7 +35,7 @@ def test_pin_without_cuda_is_a_recorded_no_op():
 
 
 @pytest.mark.gpu
-def test_gpu_pin_1_gib_in_place():
+def test_gpu_pin_1_gib_in_place(copy_gbps):
     n = GiB // 8
     t = torch.empty(n, dtype=torch.int64)  # [128 Mi] int64 = 1 GiB, pageable
     t.copy_(torch.arange(n, dtype=torch.int64).mul_(2654435761).remainder_(1 << 31))
@@ -55,17 +55,7 @@ def test_gpu_pin_1_gib_in_place():
         assert pin_(t) is t  # pinning again is a no-op
         assert arena_stats()["pin_calls"] == after["pin_calls"]
         dev = torch.empty(n, dtype=torch.int64, device="cuda")
-        dev.copy_(t, non_blocking=True)
-        torch.cuda.synchronize()  # why: the warm-up copy must finish before timing starts
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )  # why: device-side timing of the copy
-        start.record()
-        dev.copy_(t, non_blocking=True)
-        end.record()
-        end.synchronize()  # why: elapsed_time needs both events complete
-        gbs = GiB / (start.elapsed_time(end) / 1e3) / 1e9
+        gbs = copy_gbps(t, dev, reps=1)  # t is 1 GiB
         assert int(dev[:: 1 << 12].sum()) == checksum
         print(f"\npin_(1 GiB): {seconds:.2f} s in cudaHostRegister; H2D from it {gbs:.1f} GB/s")
         assert gbs >= 40.0, f"H2D from a pin_-ed tensor ran at {gbs:.1f} GB/s: not page-locked speed"

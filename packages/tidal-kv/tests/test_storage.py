@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal_kv.storage import FP8_DTYPE, HostPagePool, dequantize_fp8, quantize_fp8
+from tidal_kv.storage import FP8_DTYPE, ChunkLayout, HostPagePool, dequantize_fp8, quantize_fp8
 from tidal_testing import assert_sqnr
 
 
@@ -25,10 +25,10 @@ def test_fp8_round_trip_per_token_and_head():
 
 def test_host_pool_chunks_from_the_arena():
     pool = HostPagePool(pin=False)
-    size = HostPagePool.chunk_bytes(3, 1, 2, 4, 8, torch.bfloat16, fp8=False)
+    size = HostPagePool.chunk_bytes(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16, fp8=False))
     pool.reserve(2 * size)
-    a = pool.chunk(3, 1, 2, 4, 8, torch.bfloat16, fp8=False)
-    b = pool.chunk(3, 1, 2, 4, 8, torch.float16, fp8=True)
+    a = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16, fp8=False))
+    b = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.float16, fp8=True))
     assert a.data.shape == (3, 2, 1, 2, 4, 8) and a.scale is None
     assert b.data.dtype == FP8_DTYPE and b.scale.shape == (3, 2, 1, 2, 4, 1)
     a.data.fill_(1.5)

@@ -47,31 +47,24 @@ def meta_causal_lm(kind: str, **cfg) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
-QWEN_14B = dict(
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_hidden_layers=48,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    vocab_size=152064,
-)
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-)
-QWEN_1_5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+def decoder_shape(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, **more
+) -> dict:
+    """Config values of a decoder-only transformer (``more``: extra config keys)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        **more,
+    )
+
+
+QWEN_14B = decoder_shape(5120, 13824, 48, 40, 8, 152064)
+LLAMA3_8B = decoder_shape(4096, 14336, 32, 32, 8, 128256)
+QWEN_1_5B = decoder_shape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers
 from tidal_kv.errors import KVConfigError
 from tidal_kv.stats import KVStats
-from tidal_kv.storage import HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
+from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
 from tidal_kv.streams import on, record, synchronize, wait
 
 logger = logging.getLogger(__name__)
@@ -341,7 +341,8 @@ class PagedKVCache:
         self._pool = HostPagePool(pin=self._cuda)
         for ev in self._pool.events:
             self.stats.events.append(ev)
-        per_chunk = HostPagePool.chunk_bytes(self._chunk_pages, b, h, p, d, self._dtype, self._fp8)
+        self._chunk_layout = ChunkLayout(self._chunk_pages, b, h, p, d, self._dtype, self._fp8)
+        per_chunk = HostPagePool.chunk_bytes(self._chunk_layout)
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
@@ -350,8 +351,8 @@ class PagedKVCache:
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
         self._slots = [_Slot(*self._empty_kv(self._capacity)) for _ in range(n_slots)]
-        args = (self._chunk_pages, b, h, p, d, self._dtype, self._fp8, self._device)
-        self._h2d_stage, self._d2h_stage = device_chunk(*args), device_chunk(*args)
+        self._h2d_stage = device_chunk(self._chunk_layout, self._device)
+        self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
     def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self._shape
@@ -373,12 +374,9 @@ class PagedKVCache:
         self._note(f"{note} (capacity {self._capacity} tokens, {sizes.layer / 2**20:.1f} MiB per layer)")
 
     def _ensure_host_pages(self, layer: int, pages: int) -> None:
-        b, h, d = self._shape
         chunks = self._host[layer]
         while len(chunks) * self._chunk_pages < pages:
-            chunks.append(
-                self._pool.chunk(self._chunk_pages, b, h, self.config.page_tokens, d, self._dtype, self._fp8)
-            )
+            chunks.append(self._pool.chunk(self._chunk_layout))
 
     def _grow(self, needed: int) -> None:
         """Reallocate device buffers for a sequence longer than the capacity (logged)."""

@@ -61,6 +61,55 @@ class PageChunk:
         return n
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The layout of one chunk, shared by its host block and its device staging copy."""
+
+    chunk_pages: int
+    """Pages in the chunk."""
+    batch: int
+    """Sequences per batch."""
+    heads: int
+    """K/V heads."""
+    page_tokens: int
+    """Tokens per page."""
+    head_dim: int
+    """Head dimension."""
+    dtype: torch.dtype
+    """K/V dtype (the page dtype for "native" storage)."""
+    fp8: bool
+    """Store e4m3 + fp32 per-row scales instead of ``dtype``."""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """``[C, 2 (K/V), B, H, P, D]``."""
+        return (self.chunk_pages, 2, self.batch, self.heads, self.page_tokens, self.head_dim)
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The dtype the pages are stored in."""
+        return FP8_DTYPE if self.fp8 else self.dtype
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the page data."""
+        return (
+            self.chunk_pages
+            * 2
+            * self.batch
+            * self.heads
+            * self.page_tokens
+            * self.head_dim
+            * self.store_dtype.itemsize
+        )
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of the fp32 per-row scales (0 unless ``fp8``)."""
+        rows = self.chunk_pages * 2 * self.batch * self.heads * self.page_tokens
+        return rows * 4 if self.fp8 else 0
+
+
 class HostPagePool:
     """Allocates host chunks for offloaded layers from a tidal-arena :class:`~tidal_arena.PinnedArena`.
 
@@ -87,19 +136,9 @@ class HostPagePool:
             self.events.append(msg)
 
     @staticmethod
-    def chunk_bytes(
-        chunk_pages: int,
-        batch: int,
-        heads: int,
-        page_tokens: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        fp8: bool,
-    ) -> int:
+    def chunk_bytes(layout: ChunkLayout) -> int:
         """Host bytes of one chunk (data + FP8 scales), each part rounded up to the arena alignment."""
-        numel = chunk_pages * 2 * batch * heads * page_tokens * head_dim
-        data = _round_up(numel * (1 if fp8 else dtype.itemsize))
-        return data + (_round_up(numel // head_dim * 4) if fp8 else 0)
+        return _round_up(layout.data_bytes) + (_round_up(layout.scale_bytes) if layout.fp8 else 0)
 
     def reserve(self, nbytes: int) -> None:
         """Reserve ``nbytes`` of host memory in one slab now (page-locking is slow: never per step).
@@ -123,37 +162,17 @@ class HostPagePool:
         self._blocks.append(block)
         return block.tensor(torch.uint8, (nbytes,))
 
-    def chunk(
-        self,
-        chunk_pages: int,
-        batch: int,
-        heads: int,
-        page_tokens: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        fp8: bool,
-    ) -> PageChunk:
-        """Allocate one host chunk of ``chunk_pages`` pages (K and V).
-
-        Args:
-            chunk_pages: Pages in the chunk.
-            batch: Sequences per batch.
-            heads: K/V heads.
-            page_tokens: Tokens per page.
-            head_dim: Head dimension.
-            dtype: K/V dtype (the page dtype for "native" storage).
-            fp8: Store e4m3 + fp32 scales instead of ``dtype``.
+    def chunk(self, layout: ChunkLayout) -> PageChunk:
+        """Allocate one host chunk of ``layout`` (K and V pages).
 
         Returns:
             The chunk; its memory lives until :meth:`release`.
         """
-        shape = (chunk_pages, 2, batch, heads, page_tokens, head_dim)
-        store = FP8_DTYPE if fp8 else dtype
-        numel = chunk_pages * 2 * batch * heads * page_tokens * head_dim
-        data = self._raw(numel * store.itemsize, "kv-pages").view(store).view(shape)
+        shape, store = layout.shape, layout.store_dtype
+        data = self._raw(layout.data_bytes, "kv-pages").view(store).view(shape)
         scale = None
-        if fp8:
-            scale = self._raw(numel // head_dim * 4, "kv-scales").view(torch.float32).view(*shape[:-1], 1)
+        if layout.fp8:
+            scale = self._raw(layout.scale_bytes, "kv-scales").view(torch.float32).view(*shape[:-1], 1)
         c = PageChunk(data, scale)
         self._bytes += c.nbytes
         return c
@@ -179,18 +198,9 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def device_chunk(
-    chunk_pages: int,
-    batch: int,
-    heads: int,
-    page_tokens: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    fp8: bool,
-    device: torch.device,
-) -> PageChunk:
+def device_chunk(layout: ChunkLayout, device: torch.device) -> PageChunk:
     """A device staging chunk with the same layout as a host chunk (contiguous copies both ways)."""
-    shape = (chunk_pages, 2, batch, heads, page_tokens, head_dim)
-    data = torch.empty(shape, dtype=FP8_DTYPE if fp8 else dtype, device=device)
-    scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device) if fp8 else None
+    shape = layout.shape
+    data = torch.empty(shape, dtype=layout.store_dtype, device=device)
+    scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device) if layout.fp8 else None
     return PageChunk(data, scale)

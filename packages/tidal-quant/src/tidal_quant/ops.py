@@ -427,23 +427,36 @@ def _(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_gra
     return x.new_empty((x.shape[0], shape[0]))
 
 
+def _save_for_grad(ctx, data, scales, global_scale, fmt, shape, block_size, fp8_grad) -> None:
+    """Keep what the input gradient needs (shared by the custom op and the eager path)."""
+    ctx.save_for_backward(data, scales, global_scale)
+    ctx.meta = (fmt, shape, block_size, fp8_grad)
+
+
+def _input_grad_only(ctx, grad, grad_fn):
+    """The backward of ``linear``'s 9 inputs: ``grad_fn`` gives ``x``'s gradient, the rest get none."""
+    data, scales, global_scale = ctx.saved_tensors
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = grad_fn(grad, data, scales, global_scale, *ctx.meta)  # [T, K]
+    return gx, None, None, None, None, None, None, None, None
+
+
+def _grad_ops(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad):
+    # through the registered ops, so torch.compile traces them
+    if fp8_grad and uses_scaled_mm(grad, fmt, shape):
+        return fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
+    w = dequantize(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
+    return grad @ w  # [T, K]
+
+
 def _linear_setup(ctx, inputs, output):
     _, data, scales, global_scale, fmt, shape, block_size, _, fp8_grad = inputs
-    ctx.save_for_backward(data, scales, global_scale)
-    ctx.meta = (fmt, list(shape), block_size, fp8_grad)
+    _save_for_grad(ctx, data, scales, global_scale, fmt, list(shape), block_size, fp8_grad)
 
 
 def _linear_backward(ctx, grad):
-    data, scales, global_scale = ctx.saved_tensors
-    fmt, shape, block_size, fp8_grad = ctx.meta
-    gx = None
-    if ctx.needs_input_grad[0]:
-        if fp8_grad and uses_scaled_mm(grad, fmt, shape):
-            gx = fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
-        else:
-            w = dequantize(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
-            gx = grad @ w  # [T, K]
-    return gx, None, None, None, None, None, None, None, None
+    return _input_grad_only(ctx, grad, _grad_ops)
 
 
 torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_context=_linear_setup)
@@ -479,17 +492,12 @@ def _grad_impl(grad, data, scales, global_scale, fmt, shape, block_size, fp8_gra
 class _EagerLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad):
-        ctx.save_for_backward(data, scales, global_scale)
-        ctx.meta = (fmt, shape, block_size, fp8_grad)
+        _save_for_grad(ctx, data, scales, global_scale, fmt, shape, block_size, fp8_grad)
         return _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
 
     @staticmethod
     def backward(ctx, grad):
-        data, scales, global_scale = ctx.saved_tensors
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = _grad_impl(grad, data, scales, global_scale, *ctx.meta)
-        return gx, None, None, None, None, None, None, None, None
+        return _input_grad_only(ctx, grad, _grad_impl)
 
 
 def linear_fast(

@@ -97,22 +97,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(a: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
+    """The parsed options ``names`` as keyword arguments (each option's dest is its field's name)."""
+    return {name: getattr(a, name) for name in names}
+
+
 def _cmd_demo(a: argparse.Namespace) -> int:
     from tidal.demo.config import DemoConfig
     from tidal.demo.run import run_demo
 
-    cfg = DemoConfig(
-        size=a.size,
-        steps=a.steps,
-        vram_budget=a.vram_budget,
-        quantize=a.quantize,
-        seq_len=a.seq_len,
-        batch_size=a.batch_size,
-        device=a.device,
-        out=Path(a.out),
-        lr=a.lr,
-        seed=a.seed,
-    )
+    names = ("size", "steps", "vram_budget", "quantize", "seq_len", "batch_size", "device", "lr", "seed")
+    cfg = DemoConfig(**_options(a, names), out=Path(a.out))
     run_demo(cfg, progress=not a.no_progress)
     return 0
 
@@ -128,16 +123,8 @@ def _cmd_env(a: argparse.Namespace) -> int:
 def _cmd_plan(a: argparse.Namespace) -> int:
     from tidal.plan_cli import PlanRequest, run_plan
 
-    req = PlanRequest(
-        config=a.config,
-        vram_budget=a.vram_budget,
-        lora=a.lora,
-        lora_rank=a.lora_rank,
-        quantize=a.quantize,
-        host_ram=a.host_ram,
-        batch_size=a.batch_size,
-        seq_len=a.seq_len,
-    )
+    names = ("config", "vram_budget", "lora", "lora_rank", "quantize", "host_ram", "batch_size", "seq_len")
+    req = PlanRequest(**_options(a, names))
     return run_plan(req, as_json=a.json)
 
 

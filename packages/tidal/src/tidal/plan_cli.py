@@ -14,23 +14,37 @@ from typing import Any
 
 from tidal.errors import CLIError
 
+
+def _arch(
+    name: str,
+    model_type: str,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    *,
+    tie: bool,
+) -> tuple[str, str, dict[str, Any]]:
+    """A ``PRESETS`` entry: display name, transformers model_type and the config values."""
+    return name, model_type, dict(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tie,
+    )  # fmt: skip
+
+
 # Exact architectures of public checkpoints (config values only; no weights are read).
+# _arch(name, model_type, hidden, intermediate, layers, heads, kv_heads, vocab, tie=)
 PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "1.5b": ("Qwen2.5-1.5B", "qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-             num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
-    "7b": ("Qwen2.5-7B", "qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-           num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)),
-    "8b": ("Llama-3-8B", "llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)),
-    "14b": ("Qwen2.5-14B", "qwen2", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-            num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)),
-    "32b": ("Qwen2.5-32B", "qwen2", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-            num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)),
-    "72b": ("Qwen2.5-72B", "qwen2", dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-            num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)),
-    "110b": ("Qwen1.5-110B", "qwen2", dict(hidden_size=8192, intermediate_size=49152, num_hidden_layers=80,
-             num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)),
-}  # fmt: skip
+    "1.5b": _arch("Qwen2.5-1.5B", "qwen2", 1536, 8960, 28, 12, 2, 151936, tie=True),
+    "7b": _arch("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 152064, tie=False),
+    "8b": _arch("Llama-3-8B", "llama", 4096, 14336, 32, 32, 8, 128256, tie=False),
+    "14b": _arch("Qwen2.5-14B", "qwen2", 5120, 13824, 48, 40, 8, 152064, tie=False),
+    "32b": _arch("Qwen2.5-32B", "qwen2", 5120, 27648, 64, 40, 8, 152064, tie=False),
+    "72b": _arch("Qwen2.5-72B", "qwen2", 8192, 29568, 80, 64, 8, 152064, tie=False),
+    "110b": _arch("Qwen1.5-110B", "qwen2", 8192, 49152, 80, 64, 8, 152064, tie=False),
+}
 _H200_BYTES = int(139.8 * 2**30)  # the synthetic profile's device memory
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANTIZE = ("auto", "int8", "nf4", "fp8", "nvfp4")

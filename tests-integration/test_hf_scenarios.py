@@ -104,7 +104,9 @@ def test_generate_with_tidal_cache_matches_transformers(checkpoint, device):
     ids = _text_batches(model.config.vocab_size, 1, device)[0][:1, :12]
     want = model.generate(ids, max_new_tokens=16, do_sample=False)
     cache = tidal.TidalCache(model, max_tokens=64, resident_layers=1, page_tokens=8)
-    got = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache)
+    from tidal_hf import generate_kwargs_for_cache  # cache= on newer 5.x, past_key_values= on 4.57
+
+    got = model.generate(ids, max_new_tokens=16, do_sample=False, **generate_kwargs_for_cache(model, cache))
     assert torch.equal(want, got)
     assert len(cache.paged.offloaded_layers) == 1
     assert cache.paged.stats.pages_flushed > 0  # the offloaded layer's K/V really went to host pages

@@ -9,6 +9,7 @@ the same seeded token tensor, and step time is the median of the steps after war
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import statistics
 import threading
@@ -274,11 +275,23 @@ def _place(unit: nn.Module, where: Where, recurse: bool) -> None:
 
 
 def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
-    """Rotary ``inv_freq`` is a non-persistent buffer computed at init: recompute it off the meta device."""
+    """Rotary ``inv_freq`` is a non-persistent buffer computed at init: recompute it off the meta device.
+
+    transformers 4.57 takes ``(config, device=None)``, newer 5.x only ``(config)``: building it under a
+    ``torch.device`` context puts ``inv_freq`` on ``device`` with either signature.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     rot = getattr(base.model, "rotary_emb", None)
     if rot is not None:
-        base.model.rotary_emb = type(rot)(config=base.config, device=device)
+        with torch.device(device):
+            base.model.rotary_emb = type(rot)(config=getattr(rot, "config", base.config)).to(device)
+
+
+def cache_kwargs(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keyword for a KV cache: ``cache`` after transformers 5.x renamed it, else ``past_key_values``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def lora_config() -> Any:

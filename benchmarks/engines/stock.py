@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engines import RunContext
-from engines.common import add_lora, build_meta_model, materialize
+from engines.common import add_lora, build_meta_model, cache_kwargs, materialize
 
 
 def version() -> str:
@@ -63,16 +63,15 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
     model.eval()
     cache = DynamicCache()
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    state = {"next": out.logits[:, -1].argmax(-1, keepdim=True), "pos": ids.shape[1]}  # [B, 1]
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}  # [B, 1]
 
+    # positions follow from the cache's length (newer transformers 5.x dropped ``cache_position``)
     @torch.inference_mode()
     def step() -> float:
-        pos = torch.tensor([state["pos"]], device=ids.device)
-        out = model(input_ids=state["next"], past_key_values=cache, use_cache=True, cache_position=pos)
+        out = model(input_ids=state["next"], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
         logp = out.logits[:, -1].float().log_softmax(-1)  # [B, V]
         state["next"] = logp.argmax(-1, keepdim=True)
-        state["pos"] += 1
         return -logp.max(-1).values.mean().item()
 
     return step

@@ -71,11 +71,13 @@ def build_model(shape: dict[str, int], device: torch.device, seed: int) -> nn.Mo
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
-    # to_empty leaves buffers uninitialised: rebuild the rotary embeddings (their inverse frequencies)
+    # to_empty leaves buffers uninitialised: rebuild the rotary embeddings (their inverse frequencies);
+    # built under a device context because newer transformers 5.x dropped their ``device`` argument
     for name, mod in list(model.named_modules()):
         if hasattr(mod, "inv_freq"):
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            setattr(parent, name.rsplit(".", 1)[-1], type(mod)(config=model.config, device=device))
+            with torch.device(device):
+                setattr(parent, name.rsplit(".", 1)[-1], type(mod)(config=model.config))
     return model
 
 

@@ -54,9 +54,11 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    # non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty: rebuild them
+    # non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty: rebuild them (under a
+    # device context: newer transformers 5.x dropped the rotary embedding's ``device`` argument)
     rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=cfg, device=device)
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=cfg)
     return model.train()
 
 

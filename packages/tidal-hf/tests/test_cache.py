@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tidal_hf import OptionError, UnsupportedModelError
-from tidal_hf.cache import TidalCache
+from tidal_hf.cache import TidalCache, generate_kwargs_for_cache
 from tidal_kv import KVConfigError
 from tidal_testing import devices
 
@@ -44,13 +44,13 @@ def _model(kind: str, device: str):
     return model.eval().to(device)
 
 
-def _cache_kw(fn) -> str:
-    """Newer transformers 5.x rename ``past_key_values`` to ``cache`` (the old name warns); 4.57 knows only the old."""
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+def _forward_kw(model) -> str:
+    """The forward argument for the cache: ``cache`` after transformers 5.x renamed it, else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _generate(model, ids, cache, mask=None, new=64, **kw):
-    kw[_cache_kw(model.forward)] = cache  # generate() takes **kwargs; forward names the argument
+    kw.update(generate_kwargs_for_cache(model, cache))  # cache= (newer 5.x) or past_key_values= (4.57)
     gen = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0, **kw}
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, **gen)
@@ -134,11 +134,31 @@ def test_legacy_indexing_returns_the_cached_tensors():
     cache = TidalCache(model, 32, resident_layers=2, page_tokens=4)
     ref = transformers.DynamicCache()
     with torch.no_grad():
-        model(ids, **{_cache_kw(model.forward): cache})
-        model(ids, **{_cache_kw(model.forward): ref})
+        model(ids, **{_forward_kw(model): cache})
+        model(ids, **{_forward_kw(model): ref})
     for i in range(6):
         assert torch.equal(cache.layers[i].keys, ref.layers[i].keys)
         assert torch.equal(cache.layers[i].values, ref.layers[i].values)
+
+
+def test_generate_kwargs_for_cache_hand_the_cache_to_generate():
+    peft = pytest.importorskip("peft")
+    model = _model("qwen2", "cpu")
+    ids = _prompt(1, 9, "cpu")
+    wrapped = peft.get_peft_model(_model("qwen2", "cpu"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    for m in (model, wrapped):
+        cache = TidalCache(model, 32, resident_layers=3, page_tokens=4)
+        kwargs = generate_kwargs_for_cache(m, cache)
+        assert list(kwargs) in (["cache"], ["past_key_values"]) and kwargs[next(iter(kwargs))] is cache
+        # warnings are errors: the deprecated name would fail here, and a name generate() does not know raises
+        with torch.no_grad():
+            out = m.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+        assert out.shape == (1, 15)
+        assert cache.get_seq_length() == 14  # the cache really served the decode (prompt + 5 fed back)
+    with pytest.raises(OptionError, match="cache='dict' is invalid; accepted: a transformers Cache"):
+        generate_kwargs_for_cache(model, {})
+    with pytest.raises(OptionError, match="model='Linear' is invalid"):
+        generate_kwargs_for_cache(torch.nn.Linear(2, 2), transformers.DynamicCache())
 
 
 def test_refuses_beam_search():

@@ -3,7 +3,8 @@
 ``load_model`` (meta init, tensor-by-tensor safetensors reading, quantize while reading), ``TidalTrainer``
 (a ``transformers.Trainer`` whose optimizer, clipping and accumulation run inside tidal), ``wrap_hf``,
 ``TidalQuantizationConfig`` for ``from_pretrained(quantization_config=…)``, LoRA on ``QuantLinear``,
-chunked causal-LM losses and one-model DPO. transformers and peft are imported only when a name that
+chunked causal-LM losses, one-model DPO, and ``TidalCache`` for ``generate`` (``generate_kwargs_for_cache``
+names the argument the installed transformers expects). transformers and peft are imported only when a name that
 needs them is first used, so ``import tidal_hf`` stays cheap.
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "causal_lm_loss",
     "dpo_loss",
     "enable_peft_quant",
+    "generate_kwargs_for_cache",
     "load_model",
     "lora_config",
     "lora_config_from",
@@ -48,6 +50,7 @@ _LAZY = {
     "causal_lm_loss": "tidal_hf.loss",
     "dpo_loss": "tidal_hf.dpo",
     "enable_peft_quant": "tidal_hf.peft_quant",
+    "generate_kwargs_for_cache": "tidal_hf.cache",
     "load_model": "tidal_hf.loading",
     "lora_config": "tidal_hf.peft_quant",
     "lora_config_from": "tidal_hf.peft_quant",

@@ -2,19 +2,21 @@
 
 Works with transformers 4.57 and 5.x: the per-layer objects implement both generations of the
 ``CacheLayerMixin`` API (``get_mask_sizes`` takes ``cache_position`` in 4.x and ``query_length`` in 5.x;
-``get_max_cache_shape`` became ``get_max_length``). transformers is imported by this module only, never at
-``import tidal_hf`` time.
+``get_max_cache_shape`` became ``get_max_length``). `generate_kwargs_for_cache` names the ``generate``
+argument the installed transformers expects (``past_key_values`` up to early 5.x, ``cache`` after the rename).
+transformers is imported by this module only, never at ``import tidal_hf`` time.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tidal_hf.errors import OptionError, UnsupportedModelError
+from tidal_hf.errors import OptionError, UnsupportedModelError, bad_option
 from tidal_kv import PagedKVCache
 
 _FULL = "full_attention"
@@ -139,7 +141,9 @@ class _TidalLayer(CacheLayerMixin):
 class TidalCache(Cache):
     """A transformers ``Cache`` whose offloaded layers keep their K/V in pinned host pages.
 
-    Pass it as ``model.generate(..., past_key_values=TidalCache(model, max_tokens))``. Greedy and sampling
+    Pass it as ``model.generate(..., **generate_kwargs_for_cache(model, cache))``, which is
+    ``cache=cache`` on transformers 5.x releases that renamed the argument and ``past_key_values=cache``
+    on 4.57 and earlier 5.x. Greedy and sampling
     work; beam search, contrastive and assisted decoding are refused, as are models with sliding-window,
     chunked, hybrid or KV-sharing layers.
 
@@ -216,3 +220,51 @@ class TidalCache(Cache):
     def memory(self) -> dict[str, Any]:
         """The paged cache's placement and bytes (see ``PagedKVCache.memory``)."""
         return self.paged.memory()
+
+
+def _cache_argument(fn: Any) -> str | None:
+    """``"cache"`` or ``"past_key_values"``: the one of the two that ``fn``'s signature names, else None."""
+    params = inspect.signature(fn).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
+def generate_kwargs_for_cache(model: Any, cache: Cache) -> dict[str, Cache]:
+    """The keyword argument that hands ``cache`` to ``model.generate()`` on the installed transformers.
+
+    transformers 5.x renamed ``generate(past_key_values=...)`` to ``generate(cache=...)`` (the old name warns
+    with a ``FutureWarning``); 4.57 knows only ``past_key_values``. ``generate()`` passes the cache to the
+    model's ``prepare_inputs_for_generation`` under the name that method declares, so that signature (the
+    base model's, under a PEFT wrapper; transformers' own when the model's takes only ``**kwargs``) decides.
+
+    Args:
+        model: The transformers model (PEFT-wrapped or not) whose ``generate`` will receive the cache.
+        cache: A transformers ``Cache``: a :class:`TidalCache`, ``DynamicCache``, ...
+
+    Returns:
+        ``{"cache": cache}`` or ``{"past_key_values": cache}``: use as ``model.generate(ids, **kwargs)``.
+
+    Raises:
+        OptionError: ``cache`` is not a transformers ``Cache``, or ``model`` has no ``generate``.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    fn = "generate_kwargs_for_cache"
+    if not isinstance(cache, Cache):
+        raise bad_option(
+            fn, "cache", type(cache).__name__, "a transformers Cache", "pass TidalCache(model, n)."
+        )
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not callable(getattr(base, "generate", None)):
+        raise bad_option(
+            fn,
+            "model",
+            type(model).__name__,
+            "a transformers model with generate()",
+            "pass the causal-LM model.",
+        )
+    prepare = getattr(base, "prepare_inputs_for_generation", GenerationMixin.prepare_inputs_for_generation)
+    name = _cache_argument(prepare) or _cache_argument(GenerationMixin.prepare_inputs_for_generation)
+    return {name or "past_key_values": cache}

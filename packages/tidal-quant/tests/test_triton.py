@@ -97,6 +97,23 @@ def test_quant_linear_gpu_paths(fmt, tokens):
     assert_sqnr(g.float() @ wd, x.grad.float(), 40.0, f"{fmt} input grad")
 
 
+def _all_e4m3_codes() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite e4m3 code (±0 and subnormals included) as ``[4, 64]`` codes and positive row scales."""
+    b = torch.arange(256, dtype=torch.uint8)
+    b[b == 0x7F], b[b == 0xFF] = 0x80, 0x00  # the two NaN codes → -0 / +0
+    scales = torch.tensor([1.0, 3.0e-4, 0.2831, 7.5])  # [4]
+    return b.view(torch.float8_e4m3fn).view(4, 64), scales
+
+
+@gpu
+def test_fp8_dequantize_every_code_bit_exact():
+    d, s = _all_e4m3_codes()
+    ref = tq.reference.dequantize_fp8(d, s, torch.float32)
+    assert int((ref.view(torch.int32) == torch.iinfo(torch.int32).min).sum()) == 2  # -0.0 is covered
+    got = ops.dequantize(d.cuda(), s.cuda(), None, "fp8", (4, 64), 0, torch.float32)
+    assert_bitwise_equal(got, ref, "fp8 every code (sign of zero included)")
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_row_quantization_bit_exact(dtype):
@@ -182,6 +199,13 @@ _INTERP = textwrap.dedent(
         assert torch.equal(T.dequantize(3, d, s, None, shape, 0, torch.float32),
                            R.dequantize_fp8(d, s, torch.float32)), ("fp8", shape)
         assert torch.equal(T.transpose_bytes(d).view(torch.uint8), d.view(torch.uint8).t().contiguous())
+    # every finite e4m3 code, compared as bits: torch.equal calls -0.0 and +0.0 equal, the fp32 bits do not
+    b = torch.arange(256, dtype=torch.uint8)
+    b[b == 0x7F], b[b == 0xFF] = 0x80, 0x00  # NaN codes → ±0
+    d, s = b.view(torch.float8_e4m3fn).view(4, 64), torch.tensor([1.0, 3.0e-4, 0.2831, 7.5])
+    ref = R.dequantize_fp8(d, s, torch.float32).view(torch.int32)
+    assert int((ref == torch.iinfo(torch.int32).min).sum()) == 2  # two -0.0 outputs
+    assert torch.equal(T.dequantize(3, d, s, None, (4, 64), 0, torch.float32).view(torch.int32), ref)
     bsc, g, eff = R.nvfp4_scales(w)
     rq, rbs, rg = R.quantize_nvfp4(w)
     assert torch.equal(T.quantize_nvfp4_codes(w, eff), rq)

@@ -28,14 +28,19 @@ def table(name: str, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _decode_e4m3(b):
-    """uint8 e4m3fn bits → fp32, exactly (finite codes only)."""
+    """uint8 e4m3fn bits → fp32, exactly (finite codes only; code 0x80 gives -0.0, as torch).
+
+    The sign is OR-ed into the bits rather than applied with unary minus: some Triton releases lower
+    ``-v`` to ``0.0 - v``, which turns the -0.0 of code 0x80 into +0.0.
+    """
     b = b.to(tl.int32)
     e = (b >> 3) & 15
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2**-9
-    v = tl.where(e == 0, sub, normal)
-    return tl.where((b & 128) != 0, -v, v)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2**-9, exact
+    v = tl.where(e == 0, sub, normal).to(tl.uint32, bitcast=True)  # |value| bits
+    sign = (b & 128).to(tl.uint32) << 24  # e4m3 sign bit → fp32 sign bit
+    return (v | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

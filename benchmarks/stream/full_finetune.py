@@ -8,8 +8,15 @@ Steps:
 1. a filler tensor leaves exactly ``--budget`` free on the device (a smaller card, simulated fairly);
 2. the model is built on the meta device in bf16 and filled on the device (``normal_(0, 0.02)``);
 3. fwd+bwd alone (no optimizer, gradients dropped) is timed: the compute floor of a step;
-4. ``wrap(model, AdamW, vram_budget=budget)`` — the plan splits the optimizer between the device and the
-   host — and training steps are timed after warm-up (the first step also settles the split).
+4. ``wrap(model, AdamW, vram_budget=budget, loss_chunk_tokens=...)`` — the plan splits the optimizer
+   between the device and the host and picks streamed / recomputed blocks — and training steps are timed
+   after warm-up (the first step also settles the split).
+
+The loss is what a tidal user computes under a tight budget: ``tidal_stream.chunked_cross_entropy`` on
+the final hidden states and ``lm_head.weight`` (``--loss-chunk`` tokens per chunk), told to the plan with
+``loss_chunk_tokens``, instead of ``model(..., labels=)``, whose full fp32 logits (2048 x 151936 here)
+cost about 3.5 GiB at the loss's peak. ``--loss-chunk 0`` uses the Hugging Face loss (the plan then
+counts the full logits). Both phases use the same loss.
 
 Prints (and writes as JSON with ``--json``): median step time, the compute floor, the exposed optimizer
 time (median step − compute floor), peak VRAM above the filler, and the placement decisions.
@@ -108,12 +115,18 @@ def main() -> None:
         action="store_true",
         help="recompute every block in backward (frees VRAM for optimizer state)",
     )
+    ap.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=1024,
+        help="chunked_cross_entropy chunk_size; 0: the model's own full-logits loss (labels=)",
+    )
     ap.add_argument("--profile", default="", help="write a Chrome trace of one step here")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
 
     from tidal_plan import compare_prediction, parse_bytes
-    from tidal_stream import memory_report, session_of, wrap
+    from tidal_stream import chunked_cross_entropy, memory_report, session_of, wrap
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -135,15 +148,26 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e9:.3f} B parameters, {args.layers} layers, batch {args.batch}x{args.seq}")
 
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        if args.loss_chunk == 0:
+            return model(input_ids=ids, labels=ids).loss
+        hidden = model.model(input_ids=ids).last_hidden_state  # [B, T, D]; no logits built here
+        # next-token prediction: position t predicts token t + 1
+        return chunked_cross_entropy(
+            hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk_size=args.loss_chunk
+        )
+
     # 1. compute floor: forward + backward with the gradients dropped, no optimizer
     def compute_only(i: int) -> None:
         ids = make_batch(args, device, 0)
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss_of(ids).backward()
         model.zero_grad(set_to_none=True)
 
     compute_only(0)
     floor = time_steps(compute_only, args.steps, device)
     model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # wrap starts from a clean allocator, as in a fresh training process
 
     # 2. wrapped training
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -154,6 +178,8 @@ def main() -> None:
         delayed_update=args.delayed_update,
         batch_tokens=args.batch * args.seq,
     )
+    if args.loss_chunk:
+        wrap_opts["loss_chunk_tokens"] = args.loss_chunk
     if args.recompute:
         wrap_opts["recompute"] = True
     if budget is not None:
@@ -167,7 +193,7 @@ def main() -> None:
 
     def train_step(i: int) -> None:
         ids = make_batch(args, device, 0)  # one batch, so a falling loss shows the updates land
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(ids)
         loss.backward()
         opt.step()
         opt.zero_grad()

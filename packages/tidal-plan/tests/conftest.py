@@ -65,6 +65,8 @@ def decoder_shape(
 QWEN_14B = decoder_shape(5120, 13824, 48, 40, 8, 152064)
 LLAMA3_8B = decoder_shape(4096, 14336, 32, 32, 8, 128256)
 QWEN_1_5B = decoder_shape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True)
+# benchmarks/stream/full_finetune.py's model: the same shape with an untied head (1.777 B parameters)
+QWEN_1_5B_UNTIED = decoder_shape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=False)
 
 
 @functools.cache
@@ -76,6 +78,8 @@ def _census_of(name: str):
         return census(add_lora(meta_causal_lm("qwen2", **QWEN_14B)))
     if name == "llama8b":
         return census(meta_causal_lm("llama", **LLAMA3_8B))
+    if name == "qwen1_5b_untied":
+        return census(meta_causal_lm("qwen2", **QWEN_1_5B_UNTIED))
     return census(meta_causal_lm("qwen2", **QWEN_1_5B))
 
 
@@ -92,6 +96,11 @@ def llama8b_census():
 @pytest.fixture
 def qwen1_5b_census():
     return _census_of("qwen1_5b")
+
+
+@pytest.fixture
+def qwen1_5b_untied_census():
+    return _census_of("qwen1_5b_untied")
 
 
 def fake_bytes_per_weight(fmt: str) -> float:

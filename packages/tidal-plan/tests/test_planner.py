@@ -49,8 +49,17 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
     assert {b.optimizer for b in p.blocks} <= {"gpu", "host"}
     assert p.optimizer.moment_dtype == "fp32"
 
-    q = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw))
-    _show("Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed'", q)
+    # With the full [4096, 152064] logits (7 GiB at the loss's peak) int8 weights no longer fit beside them;
+    # a chunked loss (what a tight budget calls for) leaves room for int8 with every block resident.
+    f = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw))
+    _check_invariants(f, 24 * GiB, 64 * 10**9)
+    assert f.vram_breakdown["loss"] == 12 * 4096 * 152064 and f.quantize == "nf4"
+    q = plan(
+        qwen14b_lora_census,
+        prof,
+        PlanConfig(quantize="auto", bytes_per_weight=bpw, loss_chunk_tokens=1024),
+    )
+    _show("Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed', chunked loss", q)
     _check_invariants(q, 24 * GiB, 64 * 10**9)
     assert q.quantize == "int8" and not q.streamed_blocks  # int8 keeps every block resident
     assert q.prediction.step_s < 0.9 * p.prediction.step_s
@@ -72,8 +81,15 @@ def test_acceptance_qwen14b_lora_4gib(qwen14b_lora_census, bpw):
     print(f"\n=== Qwen2.5-14B LoRA, 4 GiB, quantize='auto', 4096 tokens: refused ===\n{e.value}")
     assert "batch_tokens <=" in str(e.value)
 
-    p = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, batch_tokens=1024))
-    _show("Qwen2.5-14B LoRA, 4 GiB, quantize='auto', 1024 tokens", p)
+    # the full logits of 1024 tokens (1.7 GiB at the loss's peak) do not fit beside the weights: chunk them
+    with pytest.raises(InfeasiblePlan, match="loss_chunk_tokens=256"):
+        plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, batch_tokens=1024))
+    p = plan(
+        qwen14b_lora_census,
+        prof,
+        PlanConfig(quantize="auto", bytes_per_weight=bpw, batch_tokens=1024, loss_chunk_tokens=256),
+    )
+    _show("Qwen2.5-14B LoRA, 4 GiB, quantize='auto', 1024 tokens, chunked loss", p)
     _check_invariants(p, 4 * GiB, 64 * 10**9)
     assert p.quantize in ("int8", "nf4") and p.streamed_blocks
     # Every block streams twice a step (forward, backward) at 1024 tokens: the link carries about as long
@@ -156,7 +172,8 @@ def test_full_finetune_of_1_5b_at_24gib_splits_the_optimizer(qwen1_5b_census):
 def test_more_budget_never_predicts_a_slower_step(qwen14b_lora_census):
     steps = []
     for gib in (12, 16, 24, 32, 48, 80):
-        p = plan(qwen14b_lora_census, _h200(f"{gib}GiB", 128 * 10**9), PlanConfig())
+        # a chunked loss: with the full logits (7 GiB at 4096 tokens) 12 GiB is infeasible
+        p = plan(qwen14b_lora_census, _h200(f"{gib}GiB", 128 * 10**9), PlanConfig(loss_chunk_tokens=1024))
         steps.append(p.prediction.step_s)
         assert p.tiers["vram"] <= gib * GiB
     assert all(b <= a * 1.001 for a, b in itertools.pairwise(steps)), steps
@@ -242,7 +259,9 @@ def test_forced_policies(qwen14b_lora_census):
     assert e.value.resource == "host_ram"
     big = _h200("24GiB", 128 * 10**9)
     p = plan(
-        qwen14b_lora_census, big, PlanConfig(param_offload=list(range(0, 48, 2)), activation_offload=True)
+        qwen14b_lora_census,
+        big,
+        PlanConfig(param_offload=list(range(0, 48, 2)), activation_offload=True, loss_chunk_tokens=1024),
     )
     assert p.streamed_blocks == tuple(range(0, 48, 2)) and all(b.activations == "offload" for b in p.blocks)
     p = plan(qwen14b_lora_census, prof, PlanConfig(param_offload=0.75, recompute=False))

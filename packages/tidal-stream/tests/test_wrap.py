@@ -48,6 +48,7 @@ def _one_thread():
         ({"device": "meta"}, "cuda"),
         ({"plan": "fast"}, "tidal_plan.Plan"),
         ({"batch_tokens": 0}, ">= 1"),
+        ({"loss_chunk_tokens": 0}, ">= 1"),
         ({"lr": float("inf")}, "finite"),
     ],
 )
@@ -273,6 +274,42 @@ def test_plan_split_is_followed_and_matches():
     kinds = [e["kind"] for e in memory_report(model)["events"]]
     assert "plan" in kinds and "placement" in kinds
     assert "tidal plan" in memory_report(model)["plan"]
+
+
+def test_auto_part2_options_follow_the_plan():
+    """The plan split the optimizer assuming its recompute choices: "auto" options must install them."""
+    from tidal_plan import HardwareProfile, PlanConfig, census, plan
+
+    model = make_model()
+    n_blocks = len(model.blocks)
+    p = plan(
+        census(model),
+        HardwareProfile.synthetic(vram_budget_bytes="500KiB", device_free_bytes="500KiB"),
+        PlanConfig(batch_tokens=64, headroom_bytes=0, param_offload=False, recompute=[0]),
+    )
+    planned = [b.activations for b in p.blocks]
+    assert planned[0] == "recompute"
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=p)
+    events = memory_report(model)["events"]
+    followed = [e for e in events if "follow the plan" in e["message"]]
+    assert followed and followed[0]["data"]["recompute"] == [
+        i for i in range(n_blocks) if planned[i] == "recompute"
+    ]
+    policy = [e for e in events if e["kind"] == "activations"]
+    assert policy and policy[0]["data"]["policies"] == planned
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            with sdpa_kernel(SDPBackend.MATH):  # recompute in backward takes the forward's SDPA path
+                loss_fn(m, step).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert max(max_abs_diff(a, b) for a, b in zip(ref.parameters(), model.parameters())) < 1e-6
+    unwrap(model)
 
 
 def test_verbose_prints_decisions_and_report_has_tiers(capsys):

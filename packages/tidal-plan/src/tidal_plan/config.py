@@ -88,6 +88,10 @@ class PlanConfig:
     seq_len: int | None = None
     """Tokens per sequence (attention's work grows with it); default ``None`` = ``batch_tokens`` (one
     sequence)."""
+    loss_chunk_tokens: int | None = None
+    """How the loss reads the LM head's logits: ``None`` = the full ``[batch_tokens, vocab]`` logits are
+    built (Hugging Face's ``labels=`` loss: about 12 bytes per logit at its peak); an int = the tokens per
+    chunk of ``tidal_stream.chunked_cross_entropy``. Default ``None`` (the conservative count)."""
 
     def __post_init__(self) -> None:
         for name in ("vram_budget", "host_ram", "max_inflight_bytes", "headroom_bytes"):
@@ -121,6 +125,16 @@ class PlanConfig:
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
         ):
             raise PlanConfigError("seq_len", self.seq_len, "an int >= 1 (tokens per sequence) or None")
+        if self.loss_chunk_tokens is not None and (
+            isinstance(self.loss_chunk_tokens, bool)
+            or not isinstance(self.loss_chunk_tokens, int)
+            or self.loss_chunk_tokens < 1
+        ):
+            raise PlanConfigError(
+                "loss_chunk_tokens",
+                self.loss_chunk_tokens,
+                "an int >= 1 (the chunked loss's chunk_size) or None (full logits)",
+            )
         if self.bytes_per_weight is not None and not callable(self.bytes_per_weight):
             raise PlanConfigError("bytes_per_weight", self.bytes_per_weight, "a callable fmt -> float")
         if self.quantize is not None and self.bytes_per_weight is None:

@@ -40,6 +40,18 @@ ATTENTION_BACKWARD_PER_FORWARD = 2.5
 # target term (4): about 36 bytes of HBM traffic per logit.
 LOSS_BYTES_PER_LOGIT = 36
 LOSS_FORWARD_SHARE = 14 / 36
+# Device bytes per logit at the peak of a loss over the full [tokens, vocab] logits (Hugging Face's
+# ``labels=`` loss): log-softmax's saved fp32 output, the fp32 gradient nll_loss hands it and the fp32
+# gradient it returns are alive together when backward starts (4 + 4 + 4); in forward the bf16 logits,
+# their fp32 copy and the log-softmax output (2 + 4 + 4) peak lower.
+FULL_LOSS_PEAK_BYTES_PER_LOGIT = 12
+# tidal_stream.chunked_cross_entropy per logit of one chunk: forward holds the chunk's bf16 logits, their
+# fp32 copy and logsumexp's fp32 temporary (2 + 4 + 4); backward the fp32 softmax gradient and its bf16
+# cast (4 + 2), beside the head's fp32 weight-gradient accumulator and the chunk's bf16 product (4 + 2
+# bytes per head weight).
+CHUNKED_LOSS_FORWARD_BYTES_PER_LOGIT = 10
+CHUNKED_LOSS_BACKWARD_BYTES_PER_LOGIT = 6
+CHUNKED_LOSS_BYTES_PER_HEAD_WEIGHT = 6
 # Bytes per parameter of the update the profile's host AdamW rate was measured on: fp32 weight read and
 # written, fp32 gradient read, two fp32 moments read and written.
 HOST_ADAMW_PROFILED_BYTES = 28
@@ -66,6 +78,8 @@ class Context:
     bytes_per_weight: Callable[[str], float] | None
     seq_len: int = 0
     """Tokens per sequence for attention's work (0: all ``tokens`` are one sequence)."""
+    loss_chunk: int | None = None
+    """Tokens per chunk of a chunked loss, or None when the full logits are built."""
 
 
 @dataclass
@@ -156,6 +170,50 @@ def outside_weight_bytes(ctx: Context, fmt: str) -> int:
     c = ctx.census
     total = c.outside_trainable_bytes + c.outside_frozen_bytes + c.outside_buffer_bytes
     return storage_bytes(ctx, fmt, total, c.outside_quantizable_params, c.outside_quantizable_bytes)
+
+
+def loss_peak_bytes(ctx: Context) -> int:
+    """Device bytes the loss over the LM head's logits adds at its peak (0 without an outside matmul).
+
+    The head is the outside 2-D weight with the most output features (the vocabulary). Full logits:
+    ``FULL_LOSS_PEAK_BYTES_PER_LOGIT`` per logit of every token. Chunked: the larger of the forward's
+    chunk and the backward's chunk beside the head's weight-gradient accumulator (when the head trains).
+    """
+    shapes = ctx.census.outside_matmul_shapes
+    if not shapes:
+        return 0
+    hidden, vocab, trainable = max(shapes, key=lambda s: s[1])
+    if ctx.loss_chunk is None:
+        return FULL_LOSS_PEAK_BYTES_PER_LOGIT * ctx.tokens * vocab
+    chunk_logits = min(ctx.loss_chunk, ctx.tokens) * vocab
+    backward = CHUNKED_LOSS_BACKWARD_BYTES_PER_LOGIT * chunk_logits
+    if trainable:
+        backward += CHUNKED_LOSS_BYTES_PER_HEAD_WEIGHT * hidden * vocab
+    return max(CHUNKED_LOSS_FORWARD_BYTES_PER_LOGIT * chunk_logits, backward)
+
+
+# fp32 gradient copies the device AdamW of 16-bit weights makes at once (tidal_stream widens its share a
+# batch of this many bytes at a time, or one larger tensor).
+DEVICE_UPDATE_WIDEN_BYTES = 256 * 2**20
+
+
+def device_update_workspace(ctx: Context, s: State) -> int:
+    """Device bytes the GPU share's AdamW needs beyond its state: fp32 copies of a batch of 16-bit
+    gradients, bounded by ``DEVICE_UPDATE_WIDEN_BYTES`` or the largest tensor's copy (the embedding or
+    the head in a language model). 0 when nothing updates on the GPU or the weights are fp32."""
+    c = ctx.census
+    on_gpu = any(s.opt_gpu[b.index] and b.trainable_params for b in c.blocks) or (
+        s.outside_opt_gpu and c.outside_trainable_params
+    )
+    if not on_gpu or c.param_dtype_bytes >= 4:
+        return 0
+    block_mats = [k * n for b in c.blocks if s.opt_gpu[b.index] for k, n, t in b.matmul_shapes if t]
+    largest = max(block_mats, default=0)
+    if s.outside_opt_gpu and c.outside_trainable_params:
+        head = [k * n for k, n, t in c.outside_matmul_shapes if t]
+        # what is not a matmul weight outside the stack (embeddings, norms) taken as one tensor: an upper bound
+        largest = max(largest, *head, c.outside_trainable_params - sum(head))
+    return max(DEVICE_UPDATE_WIDEN_BYTES, 4 * largest)
 
 
 @dataclass
@@ -296,8 +354,11 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
         + recompute_peak
         + offload_window
         + c.outside_activation_bytes_per_token * n_tok,
+        "loss": loss_peak_bytes(ctx),
         "headroom": ctx.headroom,
     }
+    # The update runs after backward freed the activations and the loss: only its excess counts.
+    vram["update workspace"] = max(0, device_update_workspace(ctx, s) - vram["activations"] - vram["loss"])
     # Host: streamed weights and gradient landing buffers and offloaded activations are pinned; the
     # optimizer's moments and master weights are read only by the CPU, so they stay pageable.
     host_grads = sum(b.trainable_bytes for b in host_opt) + (

@@ -87,7 +87,8 @@ class HardwareProfile:
     has_fp4_tensor_cores: bool
     """FP4 tensor cores (sm_100+)."""
     notes: tuple[str, ...] = field(default=())
-    """Degradations found while profiling (e.g. a rate that could not be measured), one line each."""
+    """Degradations found while profiling (e.g. a rate that could not be measured), the spread of the
+    timed matmul batches, and the seconds each profiling stage took; one line each."""
     hbm_gbps: float = DEFAULT_HBM_GBPS
     """Device memory bandwidth, GB/s, bytes read plus bytes written (a device-to-device copy of N bytes
     moves 2N); default 4200 (an H200-class device); measured by :func:`profile_hardware`."""

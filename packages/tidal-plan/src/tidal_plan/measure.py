@@ -87,9 +87,10 @@ def cuda_usable_bytes(index: int, free: int, total: int, notes: list[str]) -> in
     return max(0, min(usable, cap))
 
 
-def _time_cuda(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs, timed with CUDA events after one warm-up."""
-    fn()
+def _time_cuda(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    """Sorted seconds of ``fn`` over ``reps`` runs, timed with CUDA events after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -100,20 +101,31 @@ def _time_cuda(fn: Callable[[], object], reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
+    return sorted(times)
+
+
+def _median(times: list[float]) -> float:
     return times[len(times) // 2]
 
 
-def _cuda_rates(dev: torch.device, quick: bool) -> dict[str, float]:
-    nbytes = (256 if quick else 1024) * 1024**2
+def _random_device_bytes(nbytes: int, dev: torch.device) -> torch.Tensor:
+    """``nbytes`` random bytes on ``dev`` (never time on zeros); filled by the device, which is quick."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 256)
+
+
+def _cuda_link_rates(dev: torch.device, quick: bool) -> dict[str, float]:
+    """Pinned H2D, D2H and both-at-once copy rates, GB/s."""
+    # 64 MiB takes ~1.2 ms at 55 GB/s, far past the per-copy overhead (µs); page-locking costs
+    # ~0.6 s/GiB and a CPU random fill ~4 s/GiB, so the quick buffers stay small and are filled by the device
+    nbytes = (64 if quick else 1024) * 1024**2
+    gpu = _random_device_bytes(nbytes, dev)
+    gpu2 = _random_device_bytes(nbytes, dev)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.random_(0, 256)  # never time on zeros
+    host.copy_(gpu2)  # random host bytes without a slow CPU random fill
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 256)
-    gpu2 = gpu.clone()
-    reps = 5 if quick else 10
-    h2d_s = _time_cuda(lambda: gpu.copy_(host, non_blocking=True), reps)
-    d2h_s = _time_cuda(lambda: host2.copy_(gpu2, non_blocking=True), reps)
+    reps = 10
+    h2d_s = _median(_time_cuda(lambda: gpu.copy_(host, non_blocking=True), reps))
+    d2h_s = _median(_time_cuda(lambda: host2.copy_(gpu2, non_blocking=True), reps))
     # why: two side streams so the H2D and D2H copies run at once on the two copy engines
     s_in, s_out = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
 
@@ -130,33 +142,52 @@ def _cuda_rates(dev: torch.device, quick: bool) -> dict[str, float]:
         cur.wait_stream(s_in)
         cur.wait_stream(s_out)
 
-    bidir_s = _time_cuda(both, reps)
-    # Device memory: a copy reads and writes every byte (counted both ways, as the roofline does).
-    # 1 GiB quick, 4 GiB full (about 0.5 ms / 2 ms on an H200), at most an eighth of the free memory
-    big = max(nbytes, min(nbytes * 4, torch.cuda.mem_get_info(dev)[0] // 8))
-    src = torch.empty(big, dtype=torch.uint8, device=dev).random_(0, 256)
-    dst = torch.empty_like(src)
-    hbm_s = _time_cuda(lambda: dst.copy_(src), reps)
+    bidir_s = _median(_time_cuda(both, reps))
     return {
-        "hbm_gbps": 2 * big / hbm_s / 1e9,
         "h2d_gbps": nbytes / h2d_s / 1e9,
         "d2h_gbps": nbytes / d2h_s / 1e9,
         "bidir_gbps": 2 * nbytes / bidir_s / 1e9,
     }
 
 
-def _cuda_matmul_tflops(dev: torch.device, quick: bool) -> float:
+def _cuda_hbm_gbps(dev: torch.device, quick: bool) -> float:
+    """Device memory bandwidth: a copy reads and writes every byte (counted both ways, as the roofline does)."""
+    # 256 MiB (quick) or 1 GiB, at most an eighth of the free memory; one timing covers 8 copies
+    # (~1 ms quick on an H200) so launch gaps and event resolution stay well under 1 %
+    big = max(16 * 1024**2, min((256 if quick else 1024) * 1024**2, torch.cuda.mem_get_info(dev)[0] // 8))
+    src = _random_device_bytes(big, dev)
+    dst = torch.empty_like(src)
+    copies = 8
+
+    def run() -> None:
+        for _ in range(copies):
+            dst.copy_(src)
+
+    return 2 * big * copies / _median(_time_cuda(run, 5 if quick else 10)) / 1e9
+
+
+def _cuda_matmul_tflops(dev: torch.device, quick: bool) -> tuple[float, str]:
+    """bf16 8192³ matmul rate on random data, TFLOP/s, and a note on its spread over the timed batches.
+
+    The device first runs products for a fixed time (0.25 s quick, 1 s full) so its clocks leave idle
+    before anything is timed; then the median batch of ``iters`` back-to-back products counts.
+    """
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    iters = 10 if quick else 50
+    iters, reps, warm_s = (10, 5, 0.25) if quick else (20, 10, 1.0)
 
     def mm() -> None:
         for _ in range(iters):
             torch.mm(a, b)
 
-    mm_s = _time_cuda(mm, 3) / iters
-    return 2 * n**3 / mm_s / 1e12
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        mm()
+        torch.cuda.synchronize()  # why: the warm-up is measured in device time actually spent
+    times = _time_cuda(mm, reps, warmup=0)
+    rate = [2 * n**3 * iters / t / 1e12 for t in (times[0], _median(times), times[-1])]
+    return rate[1], f"bf16 matmul batches {rate[2]:.0f}-{rate[0]:.0f} TFLOP/s (median {rate[1]:.0f})"
 
 
 def _time_host(fn: Callable[[], object], reps: int) -> float:
@@ -191,27 +222,60 @@ def _cpu_stand_in_rates(quick: bool) -> dict[str, float]:
     }
 
 
+def _host_values(n: int, seed: int) -> torch.Tensor:
+    """``n`` normal fp32 values: a 1M-value random block repeated (CPU ``randn`` runs on one core at
+    ~0.2 G/s; AdamW's arithmetic does not depend on the values, as long as they are finite and nonzero)."""
+    block = torch.randn(min(n, 1_000_000), generator=torch.Generator().manual_seed(seed))
+    return block.repeat(-(-n // block.numel()))[:n]
+
+
 def host_adamw_rate(n_params: int, steps: int) -> float:
     """fp32 parameters per second of torch's fused CPU AdamW on one flat tensor (at the current threads)."""
-    p = torch.nn.Parameter(torch.randn(n_params))
-    p.grad = torch.randn(n_params)
+    p = torch.nn.Parameter(_host_values(n_params, 0))
+    p.grad = _host_values(n_params, 1)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     opt.step()  # allocates and first-touches the moments
     secs = _time_host(opt.step, steps)
     return n_params / secs
 
 
+class _Stages:
+    """Wall seconds of each profiling stage, for one note (where the profile's time goes)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.parts: list[str] = []
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts.append(f"{name} {now - self.last:.2f}")
+        self.last = now
+
+    def note(self) -> str:
+        return f"profiled in {self.last - self.t0:.2f} s: " + ", ".join(self.parts) + " (s)"
+
+
 def measure_rates(dev: torch.device, *, quick: bool) -> tuple[dict[str, float], list[str]]:
-    """All timed rates for ``profile_hardware``; returns the rates and notes on anything degraded."""
+    """All timed rates for ``profile_hardware``; returns the rates and notes (anything degraded, the
+    matmul spread, and the seconds each stage took)."""
     notes: list[str] = []
-    t0 = time.perf_counter()
+    stages = _Stages()
     if dev.type == "cuda":
         with torch.cuda.device(dev):
-            rates = _cuda_rates(dev, quick)
-            rates["matmul_tflops"] = _cuda_matmul_tflops(dev, quick)
+            rates = _cuda_link_rates(dev, quick)
+            stages.done("link")
+            rates["hbm_gbps"] = _cuda_hbm_gbps(dev, quick)
+            stages.done("device memory")
+            rates["matmul_tflops"], spread = _cuda_matmul_tflops(dev, quick)
+            notes.append(spread)
+            stages.done("matmul")
             torch.cuda.empty_cache()
     else:
         rates = _cpu_stand_in_rates(quick)
+        stages.done("copy and matmul")
+    # A process's first torch.optim optimizer imports torch._dynamo (~1 s): timed as its own stage
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], lr=1e-4)
+    stages.done("torch.optim first use")
     # 50M params is where the host rate settles on big hosts; a CPU stand-in profile stays small for CI.
     n = (50_000_000 if quick else 200_000_000) if dev.type == "cuda" else (2_000_000 if quick else 20_000_000)
     try:
@@ -219,9 +283,11 @@ def measure_rates(dev: torch.device, *, quick: bool) -> tuple[dict[str, float], 
     except RuntimeError as e:  # fused CPU AdamW missing in this torch build
         logger.warning("fused CPU AdamW unavailable (%s); timing the foreach implementation", e)
         notes.append(f"fused CPU AdamW unavailable ({e}); host AdamW rate is the foreach one")
-        p = torch.nn.Parameter(torch.randn(n))
-        p.grad = torch.randn(n)
+        p = torch.nn.Parameter(_host_values(n, 0))
+        p.grad = _host_values(n, 1)
         opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
         rates["host_adamw_params_per_s"] = n / _time_host(opt.step, 3)
-    logger.info("profiled %s in %.2f s: %s", dev, time.perf_counter() - t0, rates)
+    stages.done("host AdamW")
+    notes.append(stages.note())
+    logger.info("profiled %s: %s; %s", dev, rates, notes[-1])
     return rates, notes

@@ -260,6 +260,7 @@ def _context(census: ModelCensus, profile: HardwareProfile, config: PlanConfig) 
         master=master,
         bytes_per_weight=config.bytes_per_weight,
         seq_len=config.seq_len or 0,
+        loss_chunk=config.loss_chunk_tokens,
     )
 
 
@@ -424,11 +425,18 @@ def _infeasible(ctx: Context, config: PlanConfig, failures: list) -> InfeasibleP
     ways = []
     if config.quantize is None and ctx.census.frozen_params:
         ways.append("quantize='auto' (int8, else nf4 frozen weights)")
-    act = ev.vram["activations"]
+    # activations and full logits both grow in proportion to the tokens (one chunk of logits does not)
+    act = ev.vram["activations"] + (ev.vram["loss"] if config.loss_chunk_tokens is None else 0)
     if act > need - ctx.budget and config.batch_tokens > 1:
         over = need - ctx.budget
         fit_tokens = max(1, int(config.batch_tokens * (1 - over / act)))
-        ways.append(f"batch_tokens <= {fit_tokens} (activations take {format_bytes(act)})")
+        ways.append(f"batch_tokens <= {fit_tokens} (activations and logits take {format_bytes(act)})")
+    if ev.vram["loss"] > need - ctx.budget and config.loss_chunk_tokens is None:
+        chunk = min(1024, max(1, config.batch_tokens // 4))
+        ways.append(
+            f"tidal_stream.chunked_cross_entropy and loss_chunk_tokens={chunk} (full logits take "
+            f"{format_bytes(ev.vram['loss'])})"
+        )
     if outside_weight_bytes(ctx, fmt) > ctx.budget // 2:
         ways.append(
             f"a model whose embeddings/head ({format_bytes(outside_weight_bytes(ctx, fmt))}) fit the budget"

@@ -105,7 +105,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[s:e] = g_lowp @ weight  # [C, D]
                 if grad_w is not None:
-                    grad_w += (g_lowp.t() @ hidden[s:e]).float()  # [V, D]
+                    # add_ widens the bf16 product element by element: no [V, D] fp32 temporary
+                    grad_w.add_(g_lowp.t() @ hidden[s:e])  # [V, D]
                 if grad_b is not None:
                     grad_b += g_lowp.float().sum(0)
         return (

@@ -49,6 +49,23 @@ log = logging.getLogger(__name__)
 
 _MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _INFLIGHT_FLOOR = 64 * 2**20  # device gradient bytes allowed in flight to the host (at least 2 tensors)
+# fp32 gradient copies made at once by the device update (at least one tensor); tidal_plan's cost model
+# counts max(this, the largest tensor's fp32 copy) as the update's workspace
+_WIDEN_BATCH_BYTES = 256 * 2**20
+
+
+def _widen_batches(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` cut into runs whose fp32 gradient copies stay within ``_WIDEN_BATCH_BYTES``."""
+    out: list[list[nn.Parameter]] = [[]]
+    used = 0
+    for p in params:
+        cost = 0 if p.dtype == torch.float32 else 4 * p.numel()
+        if out[-1] and used + cost > _WIDEN_BATCH_BYTES:
+            out.append([])
+            used = 0
+        out[-1].append(p)
+        used += cost
+    return out
 
 
 class _Slot:
@@ -481,25 +498,29 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
             for p, group in self._gpu.values():
                 if p.grad is not None:
                     by_group.setdefault(id(group), (group, []))[1].append(p)
-            for group, params in by_group.values():
-                states = [self.state[p] for p in params]
-                grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
-                if coef is not None:
-                    torch._foreach_mul_(grads, coef.to(grads[0].device))
-                masters = [st["master"] for st in states]
-                adam_update_many(
-                    masters,
-                    grads,
-                    [st["exp_avg"] for st in states],
-                    [st["exp_avg_sq"] for st in states],
-                    [st["step"] for st in states],
-                    AdamHyper.from_group(group),
-                    self._generator(params[0].device),
-                )
-                narrow = [(p, m) for p, m in zip(params, masters) if m.data_ptr() != p.data_ptr()]
-                if narrow:
-                    # fp32 masters -> the 16-bit weights the model computes with
-                    torch._foreach_copy_([p.data for p, _ in narrow], [m for _, m in narrow])
+            for group, all_params in by_group.values():
+                # fp32 copies of 16-bit gradients are made a batch at a time: widening the whole device
+                # share at once would need 4 bytes per parameter more VRAM than the plan counts
+                for params in _widen_batches(all_params):
+                    states = [self.state[p] for p in params]
+                    grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+                    if coef is not None:
+                        torch._foreach_mul_(grads, coef.to(grads[0].device))
+                    masters = [st["master"] for st in states]
+                    adam_update_many(
+                        masters,
+                        grads,
+                        [st["exp_avg"] for st in states],
+                        [st["exp_avg_sq"] for st in states],
+                        [st["step"] for st in states],
+                        AdamHyper.from_group(group),
+                        self._generator(params[0].device),
+                    )
+                    narrow = [(p, m) for p, m in zip(params, masters) if m.data_ptr() != p.data_ptr()]
+                    if narrow:
+                        # fp32 masters -> the 16-bit weights the model computes with
+                        torch._foreach_copy_([p.data for p, _ in narrow], [m for _, m in narrow])
+                    del grads
 
     def synchronize(self) -> None:
         """Block until every queued update has run and its weight is back on the device."""

@@ -130,6 +130,9 @@ class WrapOptions:
     """A ``tidal_plan.Plan`` to follow instead of planning (``offload="auto"`` only); default None."""
     batch_tokens: int | None = None
     """Tokens per micro-batch the plan sizes activations for; None: the plan's default."""
+    loss_chunk_tokens: int | None = None
+    """``chunk_size`` of the ``chunked_cross_entropy`` the loop computes its loss with, so the plan counts
+    one chunk of logits; None: the loop builds the full logits (e.g. ``model(..., labels=)``). Default None."""
     param_offload: Fraction = "auto"
     """(part 2) Stream block weights: ``"auto"``, True (every block), False, a fraction, or block indices."""
     activation_offload: bool | float | Literal["auto"] = "auto"
@@ -197,6 +200,14 @@ class WrapOptions:
             or self.batch_tokens < 1
         ):
             raise option_error("batch_tokens", self.batch_tokens, "an int >= 1, or None")
+        if self.loss_chunk_tokens is not None and (
+            not isinstance(self.loss_chunk_tokens, int)
+            or isinstance(self.loss_chunk_tokens, bool)
+            or self.loss_chunk_tokens < 1
+        ):
+            raise option_error(
+                "loss_chunk_tokens", self.loss_chunk_tokens, "an int >= 1 (the loss's chunk_size), or None"
+            )
         self._check_part2()
 
     def _check_part2(self) -> None:

@@ -42,8 +42,18 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
         blocks = nn.ModuleList(blocks)
     c = census(model, blocks=blocks)
     profile = profile_hardware(device, vram_budget=opts.vram_budget)
+    budget = opts.vram_budget
+    if budget is None and device.type == "cuda":
+        # the derived budget is the memory still free; the weights already on the device are counted by
+        # the plan too, so they belong inside its budget
+        held = sum(
+            t.numel() * t.element_size()
+            for t in (*model.parameters(), *model.buffers())
+            if t.device == device
+        )
+        budget = min(profile.device_total_bytes, profile.vram_budget_bytes + held)
     cfg = {
-        "vram_budget": opts.vram_budget,
+        "vram_budget": budget,
         "moment_dtype": opts.moment_dtype,
         "param_offload": opts.param_offload,
         "activation_offload": opts.activation_offload,
@@ -51,6 +61,8 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
     }
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
+    if opts.loss_chunk_tokens is not None:
+        cfg["loss_chunk_tokens"] = opts.loss_chunk_tokens
     return c, plan(c, profile, PlanConfig(**cfg))
 
 

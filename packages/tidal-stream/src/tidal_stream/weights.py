@@ -32,9 +32,11 @@ Lower-level entry points, usable without a session:
   stream next; :func:`keep_latest_activations` — room left under the budget keeps the latest blocks'
   activations in VRAM (apply with ``ActivationHandle.set_policy``).
 
-Auto choices made here while ``tidal_plan`` has no plan to give: ``param_offload="auto"`` streams the
-fewest leading blocks that bring the weights under 60 % of the budget (none on the CPU);
-``activation_offload="auto"`` and ``recompute="auto"`` keep activations; ``prefetch_depth=None`` is 1;
+"auto" follows ``session.plan`` when ``wrap()`` made or was given one for this block stack: its streamed
+blocks and per-block activation modes (the plan split the optimizer assuming them, so ignoring them
+overruns the budget). Without a plan: ``param_offload="auto"`` streams the fewest leading blocks that
+bring the weights under 60 % of the budget (none on the CPU); ``activation_offload="auto"`` and
+``recompute="auto"`` keep activations. ``prefetch_depth=None`` is 1;
 ``attention="auto"`` routes the blocks' SDPA calls to the fastest backend per shape on CUDA
 (:mod:`tidal_stream.attention`), a backend name routes them to that backend, None leaves them.
 """
@@ -373,12 +375,26 @@ class WeightsExtension:
             self.weights.remove()
 
 
+def _planned(session: Any) -> tuple[list[int], list[int], list[int]] | None:
+    """``(streamed, recompute, offload)`` block indices of ``session.plan``, or None without a plan."""
+    plan = getattr(session, "plan", None)
+    if plan is None:
+        return None
+    blocks = plan.blocks
+    return (
+        [b.index for b in blocks if b.weights == "streamed"],
+        [b.index for b in blocks if b.activations == "recompute"],
+        [b.index for b in blocks if b.activations == "offload"],
+    )
+
+
 def install(session: Any, model: nn.Module, options: Any) -> WeightsExtension | None:
     """Install what the part-2 options of ``wrap()`` ask for (see the module docstring)."""
+    planned = _planned(session)
     wanted = any(
         getattr(options, k) not in ("auto", False, None)
         for k in ("param_offload", "activation_offload", "recompute")
-    )
+    ) or (planned is not None and any(planned))
     if options.blocks is None and not wanted:
         if session.device.type == "cpu":
             return None
@@ -391,17 +407,36 @@ def install(session: Any, model: nn.Module, options: Any) -> WeightsExtension | 
         blocks = _resolve_blocks(model, options.blocks)
     n = len(blocks)
     device = session.device
+    if planned is not None and len(session.plan.blocks) != n:
+        session.record(
+            "weights",
+            f"the plan covers {len(session.plan.blocks)} blocks, the stack found here {n}: 'auto' options "
+            "fall back to the installer's own rules",
+        )
+        planned = None
+    p_streamed, p_recompute, p_offload = planned if planned is not None else (None, [], [])
     streamed: list[int]
     if options.param_offload == "auto":
-        streamed = _auto_streamed(session, model, blocks)
+        streamed = p_streamed if p_streamed is not None else _auto_streamed(session, model, blocks)
     else:
         streamed = select_blocks("param_offload", options.param_offload, n)
-    recompute = [] if options.recompute == "auto" else select_blocks("recompute", options.recompute, n)
+    recompute = (
+        p_recompute if options.recompute == "auto" else select_blocks("recompute", options.recompute, n)
+    )
     offload = (
-        []
+        p_offload
         if options.activation_offload == "auto"
         else select_blocks("activation_offload", options.activation_offload, n)
     )
+    if planned is not None:
+        session.record(
+            "plan",
+            f"'auto' part-2 options follow the plan: {len(streamed)} blocks streamed, "
+            f"{len(recompute)} recomputed, {len(offload)} offloaded",
+            streamed=streamed,
+            recompute=recompute,
+            offload=offload,
+        )
     policies = ["recompute" if i in recompute else "offload" if i in offload else "keep" for i in range(n)]
     depth = 1 if options.prefetch_depth is None else options.prefetch_depth
     inflight = options.max_inflight_bytes

@@ -127,6 +127,25 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[
     return losses
 
 
+def _train_both(reference: torch.nn.Module, device: str, lr: float):
+    """Train ``reference`` with the host AdamW and a copy of it through ``wrap()`` under the streaming plan.
+
+    The copy's memory report is checked against the plan (``_check_streamed``). Returns the wrapped copy,
+    its optimizer (kept alive for the caller's checks), the reference's losses and the copy's losses.
+    """
+    model = copy.deepcopy(reference)
+    trainable = [q for q in reference.parameters() if q.requires_grad]
+    with reference_attention():
+        ref_losses = _train(reference, HostAdamW(trainable, lr=lr), _batches(device))
+
+    p = _streaming_plan(model, device)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr)
+    model, opt = _wrap(model, opt, p, device)
+    losses = _train(model, opt, _batches(device))
+    _check_streamed(tidal.memory_report(model), p)
+    return model, opt, ref_losses, losses
+
+
 def _compare(reference: torch.nn.Module, wrapped: torch.nn.Module, ref_losses, losses) -> None:
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (ref_losses, losses)
@@ -138,16 +157,7 @@ def _compare(reference: torch.nn.Module, wrapped: torch.nn.Module, ref_losses, l
 @pytest.mark.parametrize("device", devices())
 def test_planned_full_fine_tune_matches_torch_adamw(device):
     reference = _model().to(device)
-    model = copy.deepcopy(reference)
-    trainable = [q for q in reference.parameters() if q.requires_grad]
-    with reference_attention():
-        ref_losses = _train(reference, HostAdamW(trainable, lr=1e-3), _batches(device))
-
-    p = _streaming_plan(model, device)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
-    model, opt = _wrap(model, opt, p, device)
-    losses = _train(model, opt, _batches(device))
-    _check_streamed(tidal.memory_report(model), p)
+    model, _opt, ref_losses, losses = _train_both(reference, device, lr=1e-3)
     _compare(reference, model, ref_losses, losses)
 
 
@@ -158,16 +168,7 @@ def test_quantized_base_with_lora_under_a_plan_matches_torch_adamw(device, fmt):
     tidal.quantize_model_(base.blocks, fmt)  # frozen QuantLinear: packed bytes + scales are buffers
     add_lora_(base.blocks, r=4)
     reference = base.to(device)
-    model = copy.deepcopy(reference)
-    trainable = [p for p in reference.parameters() if p.requires_grad]
-    with reference_attention():
-        ref_losses = _train(reference, HostAdamW(trainable, lr=1e-2), _batches(device))
-
-    p = _streaming_plan(model, device)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
-    model, opt = _wrap(model, opt, p, device)
-    losses = _train(model, opt, _batches(device))
-    _check_streamed(tidal.memory_report(model), p)
+    model, _opt, ref_losses, losses = _train_both(reference, device, lr=1e-2)
     assert ref_losses[-1] < ref_losses[0]  # the adapters learn on a quantized base
     _compare(reference, model, ref_losses, losses)
     frozen = {n: b for n, b in reference.named_buffers()}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engines import RunContext
-from engines.common import NotApplicable, add_lora, build_meta_model, materialize
+from engines.common import NotApplicable, adamw, add_lora, build_meta_model, materialize, train_step
 
 
 def version() -> str:
@@ -73,14 +73,5 @@ def setup(ctx: RunContext, checkpointing: bool) -> Callable[[], float]:
     model = add_lora(model, ctx.seed)
     model.train()
     ids = ctx.batch()  # [B, T]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0, fused=True)
-
-    def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    opt = adamw(model, ctx.lr, fused=True)
+    return train_step(model, opt, ids)

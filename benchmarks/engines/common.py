@@ -8,6 +8,7 @@ the same seeded token tensor, and step time is the median of the steps after war
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -328,6 +329,41 @@ def make_batch(scenario: Scenario, vocab: int, device: torch.device | str, seed:
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (scenario.batch, scenario.seq), generator=g)  # [B, T]
     return ids.to(device)
+
+
+def adamw(model: nn.Module, lr: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """torch AdamW (no weight decay) over the trainable parameters of ``model``, as every engine builds it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused)
+
+
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Callable[[], float]:
+    """The step every training engine times: HF causal-LM loss on ``ids``, backward, optimizer step.
+
+    Args:
+        model: a causal LM taking ``input_ids`` and ``labels`` and returning ``.loss``.
+        opt: the optimizer over its trainable parameters.
+        ids: the token batch, ``[B, T]``; it is also the label tensor.
+        forward_context: a fresh context manager per step around the forward (e.g. autocast).
+
+    Returns:
+        ``step() -> loss`` (a Python float).
+    """
+
+    def step() -> float:
+        with forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
 
 
 def is_oom(exc: BaseException) -> bool:

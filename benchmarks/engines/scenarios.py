@@ -79,30 +79,37 @@ class Scenario:
         return n * block + embed + h
 
 
-QWEN25_14B = dict(
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_hidden_layers=48,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    vocab_size=152064,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-)
-QWEN25_1_5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-)
+def decoder_shape(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    rope_theta: float,
+    rms_norm_eps: float,
+    max_positions: int,
+    tied: bool,
+) -> dict[str, Any]:
+    """The transformers config fields of a Qwen2 / Llama decoder shape (``Scenario.shape``)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        rope_theta=rope_theta,
+        rms_norm_eps=rms_norm_eps,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tied,
+    )
+
+
+# decoder_shape(hidden, intermediate, layers, heads, kv_heads, vocab, rope_theta, rms_norm_eps,
+#               max_positions, tied)
+QWEN25_14B = decoder_shape(5120, 13824, 48, 40, 8, 152064, 1_000_000.0, 1e-6, 32768, False)
+QWEN25_1_5B = decoder_shape(1536, 8960, 28, 12, 2, 151936, 1_000_000.0, 1e-6, 32768, True)
 QWEN25_72B = dict(
     QWEN25_14B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64
 )
@@ -114,31 +121,9 @@ QWEN15_110B = dict(
     num_attention_heads=64,
     rope_theta=1_000_000.0,
 )
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500_000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-)
+LLAMA3_8B = decoder_shape(4096, 14336, 32, 32, 8, 128256, 500_000.0, 1e-5, 131072, False)
 #: A tiny Qwen2 for ``--smoke`` (CPU, seconds): proves the harness end to end without a GPU.
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    rope_theta=10_000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+TINY = decoder_shape(64, 128, 2, 4, 2, 256, 10_000.0, 1e-6, 512, False)
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engines import RunContext
-from engines.common import add_lora, build_meta_model, cache_kwargs, materialize
+from engines.common import adamw, add_lora, build_meta_model, cache_kwargs, materialize, train_step
 
 
 def version() -> str:
@@ -42,18 +42,8 @@ def setup(ctx: RunContext) -> Callable[[], float]:
     if sc.mode == "decode":
         return _decode(model, ids)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0, fused=ctx.device.type == "cuda")
-
-    def step() -> float:
-        with autocast(ctx.device, full):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    opt = adamw(model, ctx.lr, fused=ctx.device.type == "cuda")
+    return train_step(model, opt, ids, lambda: autocast(ctx.device, full))
 
 
 def _decode(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:

@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from engines import RunContext
-from engines.common import NotApplicable, add_lora, build_meta_model, decoder_layers, materialize
+from engines.common import (
+    NotApplicable,
+    adamw,
+    add_lora,
+    build_meta_model,
+    decoder_layers,
+    materialize,
+    train_step,
+)
 from engines.scenarios import hf_config
 
 
@@ -80,19 +88,10 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
         materialize(model, where, device=ctx.device, seed=ctx.seed, block_hook=hook)
     model.config.use_cache = False
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0)
+    opt = adamw(model, ctx.lr)
     options = {"device": ctx.device, "blocks": decoder_layers(model)}
     if ctx.budget_bytes is not None:
         options["vram_budget"] = ctx.budget_bytes
     model, opt = wrap(model, opt, **options)
     ids = ctx.batch()  # [B, T]
-
-    def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    return train_step(model, opt, ids)

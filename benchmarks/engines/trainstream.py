@@ -14,7 +14,15 @@ from collections.abc import Callable
 import torch
 
 from engines import RunContext
-from engines.common import NotApplicable, add_lora, build_meta_model, decoder_layers, materialize
+from engines.common import (
+    NotApplicable,
+    adamw,
+    add_lora,
+    build_meta_model,
+    decoder_layers,
+    materialize,
+    train_step,
+)
 
 
 def version() -> str:
@@ -37,8 +45,7 @@ def setup(ctx: RunContext, quantize: str) -> Callable[[], float]:
         model = add_lora(model, ctx.seed)
     model.config.use_cache = False
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ctx.lr, weight_decay=0.0)
+    opt = adamw(model, ctx.lr)
     model, opt = trainstream.wrap(
         model,
         opt,
@@ -47,12 +54,4 @@ def setup(ctx: RunContext, quantize: str) -> Callable[[], float]:
         quantize=quantize,
     )
     ids = ctx.batch()  # [B, T]
-
-    def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    return train_step(model, opt, ids)

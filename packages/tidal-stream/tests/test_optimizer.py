@@ -18,13 +18,8 @@ tinygpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tinygpt)
 loss_fn, make_model = tinygpt.loss_fn, tinygpt.make_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# every test here runs on one host thread (the fixture lives in conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def two_groups(model):

@@ -40,6 +40,7 @@ PLAN_VALUES = {
     "headroom_bytes": bad_bytes(zero_ok=True),
     "master_weights": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
     "seq_len": bad_pos_int(none_ok=True),
+    "loss_chunk_tokens": bad_pos_int(none_ok=True),
 }
 
 

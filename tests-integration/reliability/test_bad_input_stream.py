@@ -64,6 +64,7 @@ OPTION_VALUES = {
     "attention": st.one_of(
         junk_text.filter(lambda s: s not in ("auto", "flash", "efficient", "cudnn", "math")), st.integers()
     ),
+    "distributed": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
 }
 
 

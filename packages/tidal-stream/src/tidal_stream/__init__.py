@@ -6,11 +6,13 @@ gradients live in pinned host memory, updated by the host as backward runs.
 
 from tidal_stream.__about__ import __version__
 from tidal_stream.activations import ActivationHandle, install_activation_policy
+from tidal_stream.distributed import DistributedConfig, DistributedError
 from tidal_stream.errors import NotWrappedError, OptionError, StateDictError, StreamError
 from tidal_stream.losses import LossError, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions
 from tidal_stream.session import Session
+from tidal_stream.sharded_optimizer import ShardedHostAdamW
 from tidal_stream.streamed_blocks import ResidencyEvent, SlotBudgetError, StreamedBlocks, StreamingError
 from tidal_stream.streams import (
     DeviceStreams,
@@ -25,12 +27,15 @@ from tidal_stream.wrap import memory_report, session_of, unwrap, wrap
 __all__ = [
     "ActivationHandle",
     "DeviceStreams",
+    "DistributedConfig",
+    "DistributedError",
     "LossError",
     "NotWrappedError",
     "OffloadAdamW",
     "OptionError",
     "ResidencyEvent",
     "Session",
+    "ShardedHostAdamW",
     "SlotBudgetError",
     "StateDictError",
     "StreamError",

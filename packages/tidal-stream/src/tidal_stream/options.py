@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tidal_stream.distributed import DistributedConfig, check_distributed_option
 from tidal_stream.errors import OptionError, option_error
 
 __all__ = ["PART2_OPTIONS", "WrapOptions", "parse_bytes_option"]
@@ -147,6 +148,9 @@ class WrapOptions:
     """(part 2) The layer stack (a ModuleList, a list of modules, or an attribute path); None: auto-detect."""
     attention: str | None = "auto"
     """(part 2) SDPA backend: ``"auto"`` (time once, use the fastest), a backend name, or None (untouched)."""
+    distributed: bool | Literal["auto"] | DistributedConfig = "auto"
+    """Data parallel (``tidal_stream.distributed``): ``"auto"`` when an initialized process group has more
+    than one rank, True (needs one), False (never), or a ``DistributedConfig``; default ``"auto"``."""
 
     def __post_init__(self) -> None:
         parse_bytes_option("vram_budget", self.vram_budget)
@@ -209,6 +213,7 @@ class WrapOptions:
                 "loss_chunk_tokens", self.loss_chunk_tokens, "an int >= 1 (the loss's chunk_size), or None"
             )
         self._check_part2()
+        check_distributed_option(self.distributed)
 
     def _check_part2(self) -> None:
         _check_fraction("param_offload", self.param_offload, allow_list=True)

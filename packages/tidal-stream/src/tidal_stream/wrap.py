@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_stream.distributed import resolve_distributed, wrap_distributed
 from tidal_stream.errors import NotWrappedError, option_error
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions
 from tidal_stream.placement import decide_placement, refine_after_first_step
 from tidal_stream.session import Session
+from tidal_stream.sharded_optimizer import ShardedHostAdamW
 
 __all__ = ["memory_report", "session_of", "unwrap", "wrap"]
 
@@ -152,7 +154,7 @@ def _install(
 
 def wrap(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any
-) -> tuple[nn.Module, OffloadAdamW]:
+) -> tuple[nn.Module, OffloadAdamW | ShardedHostAdamW]:
     """Train ``model`` with optimizer state and gradients in host memory; the loop stays unchanged.
 
     Args:
@@ -162,7 +164,8 @@ def wrap(
         **options: see :class:`tidal_stream.options.WrapOptions` (unknown names raise ValueError).
 
     Returns:
-        ``(model, optimizer)``: the same model (hooks installed) and an :class:`OffloadAdamW`.
+        ``(model, optimizer)``: the same model (hooks installed) and an :class:`OffloadAdamW` — or, data
+        parallel (``distributed``), a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
     """
     if not isinstance(model, nn.Module):
         raise option_error("model", type(model).__name__, "a torch.nn.Module", "pass the model to train.")
@@ -170,6 +173,9 @@ def wrap(
     if getattr(model, _ATTR, None) is not None:
         raise option_error("model", type(model).__name__, "a model not wrapped yet", "call unwrap() first.")
     device = _device_of(model, opts)
+    dp = resolve_distributed(opts.distributed)
+    if dp is not None:  # data parallel: every rank of the process group wraps collectively
+        return wrap_distributed(model, optimizer, opts, device, dp)
     session = Session(model, opts, device)
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)

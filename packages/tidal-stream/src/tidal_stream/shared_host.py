@@ -1,0 +1,158 @@
+"""One host copy of frozen weights per machine, shared by every local rank through POSIX shared memory.
+
+Local rank 0 creates a file in a tmpfs (``/dev/shm``), maps it ``MAP_SHARED`` (``torch.from_file(...,
+shared=True)``) and copies the frozen tensors into it; after a barrier the other local ranks map the same
+file; every rank then points its frozen parameters at views of its mapping (the Parameter objects stay;
+their private copies are freed) and, after a second barrier, local rank 0 unlinks the file — the mappings
+stay valid while referenced, and nothing is left in ``/dev/shm`` when the job ends or crashes later.
+
+Accounting: the copy's bytes are counted once per machine (on local rank 0); :meth:`SharedHostCopy.smaps`
+reads the kernel's view of this process's mapping (``Rss``: resident pages it maps, ``Pss``: its
+proportional share), so the local ranks' ``Pss`` add up to the copy's resident size once.
+
+[Note: frozen means read-only] every local rank reads the same pages: writing a shared frozen weight in
+place changes it on every rank of the machine. Frozen weights must be identical on every rank (they are
+not broadcast); each machine's local rank 0 fills its copy from its own model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SharedHostCopy"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # bytes; every tensor starts aligned (any dtype's view of the byte buffer is legal)
+
+
+class SharedHostCopy:
+    """Frozen host tensors of a model placed in one shared mapping per machine.
+
+    Build with :meth:`share_frozen` (collective: every rank of the process group calls it).
+
+    Args:
+        entries: ``(module, name, tensor)`` of the frozen parameters to share.
+        ctx: the rank's ``DPContext`` (local rank, barriers).
+        shm_dir: tmpfs folder of the backing file.
+        token: a name part identical on every rank (made by rank 0).
+    """
+
+    def __init__(
+        self, entries: list[tuple[nn.Module, str, torch.Tensor]], ctx: Any, shm_dir: str, token: str
+    ):
+        self.ctx = ctx
+        offsets, total = [], 0
+        for _, _, t in entries:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self.nbytes = total
+        self.tensors = len(entries)
+        self.path = os.path.join(shm_dir, f"tidal-{token}-node{ctx.node}")
+        if ctx.local_rank == 0:
+            with open(self.path, "wb") as f:
+                # reserve the pages now: a full tmpfs fails here (ENOSPC), not later with SIGBUS on a write
+                os.posix_fallocate(f.fileno(), 0, total)
+            buf = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)  # [total] bytes
+            with torch.no_grad():
+                for (_, _, t), off in zip(entries, offsets):
+                    self._view(buf, off, t).copy_(t.detach())
+        ctx.barrier("shared host copy: local rank 0 filled it")
+        if ctx.local_rank != 0:
+            buf = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)  # [total] bytes
+        with torch.no_grad():
+            for (mod, name, t), off in zip(entries, offsets):
+                view = self._view(buf, off, t)
+                param = mod._parameters[name]
+                assert param is not None and param is t
+                param.data = view  # the Parameter object stays; its private storage is freed
+        self._buf = buf
+        ctx.barrier("shared host copy: every local rank mapped it")
+        if ctx.local_rank == 0:
+            os.unlink(self.path)  # the mappings stay; the name is gone (no leftover on a crash)
+
+    @staticmethod
+    def _view(buf: torch.Tensor, off: int, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        return buf[off : off + n].view(t.dtype).view(t.shape)
+
+    @classmethod
+    def share_frozen(
+        cls, model: nn.Module, ctx: Any, shm_dir: str, token: str, record: Callable[..., None]
+    ) -> SharedHostCopy | None:
+        """Share the model's frozen parameters that live in host memory; None when there are none.
+
+        Args:
+            model: the wrapped model.
+            ctx: the rank's ``DPContext``.
+            shm_dir: tmpfs folder of the backing file.
+            token: a name part identical on every rank.
+            record: the decision log's ``record(kind, message, **data)``.
+        """
+        entries, seen = [], set()
+        for mod in model.modules():
+            for name, p in mod._parameters.items():
+                if p is None or p.requires_grad or p.device.type != "cpu" or id(p) in seen:
+                    continue
+                if not p.is_contiguous():
+                    continue  # views of the byte buffer are contiguous; keep such a tensor private
+                seen.add(id(p))
+                entries.append((mod, name, p))
+        local = sum(p.numel() * p.element_size() for _, _, p in entries)
+        every = ctx.all_objects(local, "shared host copy size exchange")
+        if not any(every):
+            record(
+                "shared-host",
+                "shared host copy: no frozen weights in host memory on any rank: nothing shared",
+            )
+            return None
+        if len(set(every)) != 1:
+            from tidal_stream.distributed import DistributedError
+
+            raise DistributedError(
+                f"shared host copy: frozen host bytes differ between ranks {every}; every rank must hold the "
+                "same frozen weights. Fix: load the model identically on every rank (or share_frozen=False)."
+            )
+        if not os.path.isdir(shm_dir):
+            from tidal_stream.errors import option_error
+
+            raise option_error("distributed.shm_dir", shm_dir, "an existing tmpfs folder such as /dev/shm")
+        copy = cls(entries, ctx, shm_dir, token)
+        record(
+            "shared-host",
+            f"shared host copy: {copy.tensors} frozen tensors, {copy.nbytes / 2**20:.1f} MiB, one copy for the "
+            f"{ctx.local_world} ranks of node {ctx.node} (counted on local rank 0)",
+            bytes=copy.nbytes,
+            local_world=ctx.local_world,
+        )
+        return copy
+
+    def smaps(self) -> dict[str, int]:
+        """This process's ``Rss`` and ``Pss`` of the shared mapping, bytes (from ``/proc/self/smaps``)."""
+        out = {"rss": 0, "pss": 0}
+        inside = False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                    inside = self.path in line
+                elif inside and head and head[0] in ("Rss:", "Pss:"):
+                    out[head[0][:-1].lower()] += int(head[1]) * 1024
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Bytes of the copy, how many this rank counts (once per machine), and the mapping's Rss/Pss."""
+        return {
+            "path": self.path,
+            "bytes": self.nbytes,
+            "tensors": self.tensors,
+            "counted_bytes": self.nbytes if self.ctx.local_rank == 0 else 0,
+            "local_world": self.ctx.local_world,
+            **{f"mapped_{k}": v for k, v in self.smaps().items()},
+        }

@@ -1,0 +1,244 @@
+"""One rank of the data parallel tests: ``python dp_worker.py SCENARIO OUTDIR JSON`` under torchrun-style
+environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Also imported by the tests (by path)
+for the shared model, data and single-process reference.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = pathlib.Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("tidal_stream_tinygpt_dp", HERE / "tinygpt.py")
+tinygpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tinygpt)
+
+GLOBAL_BATCH = 6  # rows per optimizer step: divisible by 2 and by 3 ranks
+LR, WD = 1e-3, 0.01
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    idx = torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=g)  # [B, T]
+    return idx, torch.roll(idx, -1, 1)
+
+
+def loss_on(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic attention on CUDA too: runs compare bit for bit
+        logits = model(idx)  # [b, T, V]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def make_model() -> nn.Module:
+    return tinygpt.make_model(seed=0)
+
+
+class LoraLike(nn.Module):
+    """A frozen fp32 base (two 256x256 linears, 512 KiB) with small trainable adapters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.base = nn.ModuleList(nn.Linear(256, 256) for _ in range(2))
+        self.down = nn.ModuleList(nn.Linear(256, 4, bias=False) for _ in range(2))
+        self.up = nn.ModuleList(nn.Linear(4, 256, bias=False) for _ in range(2))
+        for m in self.base:
+            m.requires_grad_(False)
+        for m in self.up:
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b, d, u in zip(self.base, self.down, self.up):
+            x = torch.tanh(b(x) + u(d(x)))  # [B, 256]
+        return x
+
+
+LORA_LR, LORA_STEPS = 1e-2, 5
+
+
+def lora_batch(step: int) -> torch.Tensor:
+    return torch.randn(GLOBAL_BATCH, 256, generator=torch.Generator().manual_seed(3000 + step))  # [B, 256]
+
+
+def lora_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def lora_reference() -> dict:
+    """Single-process AdamW on the global batches of the shared-copy scenario."""
+    model = LoraLike()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR, fused=True)
+    for step in range(LORA_STEPS):
+        lora_loss(model, lora_batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(
+    steps: int,
+    clip: float | None = None,
+    state: dict | None = None,
+    first: int = 0,
+    split: int = 1,
+    device: str = "cpu",
+) -> dict:
+    """Single-process training on the same global batches: torch.optim.AdamW(fused=True), the kernel the
+    host optimizer runs (torch's single-tensor path differs from it in the last bit).
+
+    ``split > 1`` computes the gradient as data parallel does: one backward per rank's rows, summed in
+    rank order and divided by ``split`` (the same arithmetic as the all-reduce of 2 ranks).
+    """
+    model = make_model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+    per = GLOBAL_BATCH // split
+    for step in range(first, first + steps):
+        idx, tgt = (t.to(device) for t in global_batch(step))
+        if split == 1:
+            loss_on(model, idx, tgt).backward()
+        else:
+            total: dict[int, torch.Tensor] = {}
+            for r in range(split):
+                model.zero_grad()
+                loss_on(model, idx[r * per : (r + 1) * per], tgt[r * per : (r + 1) * per]).backward()
+                for p in model.parameters():
+                    if p.grad is not None:
+                        total[id(p)] = total[id(p)] + p.grad if id(p) in total else p.grad.clone()
+            for p in model.parameters():
+                if id(p) in total:
+                    p.grad = total[id(p)] / split
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: int, first: int, accum: int
+) -> None:
+    per = GLOBAL_BATCH // world
+    dev = next(model.parameters()).device
+    for step in range(first, first + steps):
+        idx, tgt = (t.to(dev) for t in global_batch(step))
+        idx, tgt = idx[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]  # this rank's rows
+        m = per // accum
+        for a in range(accum):
+            (loss_on(model, idx[a * m : (a + 1) * m], tgt[a * m : (a + 1) * m]) / accum).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def main() -> None:
+    scenario, outdir, cfg = sys.argv[1], pathlib.Path(sys.argv[2]), json.loads(sys.argv[3])
+    import torch.distributed as dist
+
+    from tidal_stream import memory_report, unwrap, wrap
+    from tidal_stream.distributed import DistributedConfig, DistributedError
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 60)))
+    dcfg = DistributedConfig(bucket_bytes=cfg.get("bucket_bytes", 4096), timeout=cfg.get("timeout", 30.0))
+    out: dict = {"rank": rank}
+    if scenario == "parity":
+        device = cfg.get("device", "cpu")
+        model = make_model().to(device)
+        if rank != 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(1.0)  # rank 0's trainable weights must win (broadcast at wrap)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        accum = cfg.get("accum", 1)
+        model, opt = wrap(
+            model, opt, distributed=dcfg, max_grad_norm=cfg.get("clip"), accumulation_steps=accum
+        )
+        rep = memory_report(model)
+        out.update({k: rep["distributed"][k] for k in ("shard_lo", "shard_hi", "numel", "buckets")})
+        out["events"] = [e["message"] for e in rep["events"]]
+        steps, at = cfg["steps"], cfg.get("ckpt_at", cfg["steps"])
+        _train(model, opt, rank, world, at, 0, accum)
+        if at < steps:
+            full = opt.state_dict(rank0_only=True)
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optim": full}, outdir / "ckpt.pt")
+            dist.barrier()
+            unwrap(model)
+            fresh = make_model().to(device)  # a new model and optimizer, as in a resumed job
+            opt2 = torch.optim.AdamW(fresh.parameters(), lr=LR, weight_decay=WD)
+            model, opt = wrap(
+                fresh, opt2, distributed=dcfg, max_grad_norm=cfg.get("clip"), accumulation_steps=accum
+            )
+            ck = torch.load(outdir / "ckpt.pt", weights_only=True)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optim"])
+            _train(model, opt, rank, world, steps - at, at, accum)
+        out["early_updates"] = memory_report(model)["distributed"]["early_updates"]
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, outdir / f"params{rank}.pt"
+        )
+        unwrap(model)
+    elif scenario == "shared":
+        model = LoraLike()
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR)
+        model, opt = wrap(model, opt, distributed=dcfg)
+        per = GLOBAL_BATCH // world
+        for step in range(LORA_STEPS):
+            lora_loss(model, lora_batch(step)[rank * per : (rank + 1) * per]).backward()
+            opt.step()
+            opt.zero_grad()
+        dist.barrier()  # every rank has read every frozen page before the accounting is read
+        rep = memory_report(model)
+        out["shared"] = rep["distributed"]["shared_host"]
+        out["frozen_same"] = all(
+            torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen
+        )
+        out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in frozen.values())
+        out["events"] = [e["message"] for e in rep["events"]]
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, outdir / f"params{rank}.pt"
+        )
+        dist.barrier()  # keep every mapping alive until all ranks have read their smaps
+        unwrap(model)
+    elif scenario == "fail":
+        model = make_model()
+        model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), distributed=dcfg)
+        t0 = time.monotonic()
+        try:
+            for step in range(4):
+                if step == 2 and rank == 1:
+                    if cfg["mode"] == "crash":
+                        os._exit(3)  # a hard crash: no cleanup, sockets closed by the kernel
+                    time.sleep(120)  # a stall: alive, silent
+                t0 = time.monotonic()
+                idx, tgt = global_batch(step)
+                loss_on(model, idx, tgt).backward()
+                opt.step()
+                opt.zero_grad()
+            out["error"] = None
+        except DistributedError as e:
+            out.update(error=type(e).__name__, message=str(e), elapsed=time.monotonic() - t0)
+        (outdir / f"result{rank}.json").write_text(json.dumps(out))
+        os._exit(0)  # the process group is broken: skip its teardown
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    (outdir / f"result{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Data parallel on CPU processes (gloo): parity with single-process training, the shared host copy's
+memory accounting, a rank failure raising on every rank, checkpoints under DP. Ranks are started as
+subprocesses with torchrun's environment variables (``dp_worker.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tidal_stream import OptionError, StreamError
+from tidal_stream.distributed import DistributedConfig, host_ram_share, local_layout, resolve_distributed
+from tidal_testing import assert_bitwise_equal, max_abs_diff
+
+HERE = pathlib.Path(__file__).parent
+WORKER = HERE / "dp_worker.py"
+_spec = importlib.util.spec_from_file_location("tidal_stream_dp_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+# Bounds on max |Δp| after 10 fp32 steps (lr 1e-3) against single-process torch.optim.AdamW(fused=True):
+# - SAME_SPLIT: the reference computes the gradient as DP does (one backward per rank's rows, summed,
+#   divided) — what DP must reproduce up to summation order (measured: 0 for 2 ranks, 1.5e-7 for 3);
+# - against a reference taking one backward over the whole global batch the gap is what splitting the
+#   batch alone causes (computed, never assumed): Adam normalises each element by its own magnitude, so
+#   attention weights whose gradient is partly round-off move by 8e-7 (2 ranks) to 6e-6 (3 ranks);
+#   DP must stay within that gap + SAME_SPLIT. The LoRA-like model (lr 1e-2, 5 steps) is held to
+#   FULL_BATCH against the whole-batch reference (measured 6.5e-7).
+SAME_SPLIT = 1e-6
+FULL_BATCH = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """References computed here run on one thread, as the ranks do (OMP_NUM_THREADS=1)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    scenario: str, world: int, tmp: pathlib.Path, wait_for: list[int] | None = None, **cfg: object
+) -> list[dict]:
+    """Start ``world`` ranks as torchrun would; wait (at most 28 s) for the ranks in ``wait_for`` (all by
+    default), kill the rest; return each rank's result (``{"missing": output}`` when it wrote none)."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, str(WORKER), scenario, str(tmp), json.dumps(cfg)]
+        log = open(tmp / f"log{r}.txt", "wb")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + 28.0
+    try:
+        for r in wait_for if wait_for is not None else range(world):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[r][0].wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    results = []
+    for r in range(world):
+        f = tmp / f"result{r}.json"
+        text = (tmp / f"log{r}.txt").read_text(errors="replace")[-3000:]
+        results.append(json.loads(f.read_text()) if f.exists() else {"rank": r, "missing": text})
+    return results
+
+
+def _ok(results: list[dict]) -> None:
+    bad = [r for r in results if "missing" in r]
+    assert not bad, bad[0]["missing"]
+
+
+def _load(tmp: pathlib.Path, world: int) -> list[dict]:
+    params = [torch.load(tmp / f"params{r}.pt", weights_only=True) for r in range(world)]
+    for r in range(1, world):
+        for k in params[0]:
+            assert torch.equal(params[r][k], params[0][k]), f"rank {r} differs from rank 0 in {k}"
+    return params
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max(max_abs_diff(a[k], b[k]) for k in b)
+
+
+def test_parity_and_checkpoint_2_ranks(tmp_path: pathlib.Path) -> None:
+    """10 steps on 2 ranks with a checkpoint after 5: rank 0 saves, a fresh wrap on every rank loads it."""
+    res = launch("parity", 2, tmp_path, steps=10, ckpt_at=5)
+    _ok(res)
+    got = _load(tmp_path, 2)[0]
+    same, full = worker.reference(10, split=2), worker.reference(10)
+    assert _diff(got, same) < SAME_SPLIT, f"max |Δp| {_diff(got, same):.3g} after 10 steps"
+    assert _diff(got, full) < _diff(same, full) + SAME_SPLIT
+    # the shards tile the flat parameters exactly once; several buckets were used
+    shards = sorted((r["shard_lo"], r["shard_hi"]) for r in res)
+    assert shards[0][0] == 0 and shards[-1][1] == res[0]["numel"] and shards[0][1] == shards[1][0]
+    assert res[0]["buckets"] > 1
+    assert sum(r["early_updates"] for r in res) > 0  # host updates started during backward
+    assert any("peer pooling: off (no multi-GPU machine measured)" in m for m in res[0]["events"])
+    # the DP checkpoint is a full torch.optim.AdamW state dict: it resumes in one process without DP
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    single = worker.reference(5, state=ck, first=5, split=2)
+    assert _diff(single, same) < SAME_SPLIT, "the DP checkpoint resumed by torch.optim.AdamW"
+
+
+@pytest.mark.slow
+def test_parity_3_ranks_clip_and_accumulation(tmp_path: pathlib.Path) -> None:
+    """3 ranks, 2 micro-steps each, global-norm clipping: against the 6-way split reference."""
+    res = launch("parity", 3, tmp_path, steps=10, clip=0.5, accum=2)
+    _ok(res)
+    got = _load(tmp_path, 3)[0]
+    same, full = worker.reference(10, clip=0.5, split=6), worker.reference(10, clip=0.5)
+    assert _diff(got, same) < SAME_SPLIT, f"max |Δp| {_diff(got, same):.3g} after 10 steps"
+    assert _diff(got, full) < _diff(same, full) + SAME_SPLIT
+    assert all(r["early_updates"] == 0 for r in res)  # clipping: every update waits for the global norm
+
+
+def test_shared_host_copy_accounting(tmp_path: pathlib.Path) -> None:
+    world, page = 2, 4096
+    res = launch("shared", world, tmp_path)
+    _ok(res)
+    # the adapters train as in one process on the whole batch (the frozen base read from the shared copy)
+    got = _load(tmp_path, world)[0]
+    diff = _diff(got, worker.lora_reference())
+    assert diff < FULL_BATCH, f"LoRA-like model: max |Δp| {diff:.3g} after {worker.LORA_STEPS} steps"
+    nbytes = res[0]["shared"]["bytes"]
+    assert nbytes >= res[0]["frozen_bytes"] > 2**19  # the frozen base: 512 KiB and its biases
+    assert all(r["frozen_same"] for r in res)
+    # bytes are counted once per node ...
+    assert sum(r["shared"]["counted_bytes"] for r in res) == nbytes
+    # ... and the kernel agrees: every rank maps all of it, their proportional shares add up to one copy
+    for r in res:
+        assert r["shared"]["mapped_rss"] >= nbytes - page
+    pss = sum(r["shared"]["mapped_pss"] for r in res)
+    assert abs(pss - -(-nbytes // page) * page) <= world * 1024, (pss, nbytes)
+    assert not pathlib.Path(res[0]["shared"]["path"]).exists()  # the name is unlinked once mapped
+    assert any("host RAM share" in m for m in res[0]["events"])
+
+
+@pytest.mark.parametrize(("mode", "world"), [pytest.param("crash", 3, marks=pytest.mark.slow), ("stall", 2)])
+def test_rank_failure_raises_everywhere(tmp_path: pathlib.Path, mode: str, world: int) -> None:
+    """Rank 1 dies (or stalls) at step 2: every other rank raises DistributedError within the timeout."""
+    timeout = 3.0
+    survivors = [r for r in range(world) if r != 1]
+    res = launch("fail", world, tmp_path, wait_for=survivors, mode=mode, timeout=timeout, pg_timeout=timeout)
+    for r in (res[i] for i in survivors):
+        assert "missing" not in r, r.get("missing")
+        assert r["error"] == "DistributedError", r
+        assert f"rank {r['rank']} of {world}" in r["message"] and "Fix:" in r["message"]
+        assert r["elapsed"] < timeout + 8.0  # raised within the timeout (plus start-up slack), not a hang
+
+
+@pytest.mark.gpu
+def test_parity_2_processes_sharing_one_gpu(tmp_path: pathlib.Path) -> None:
+    """Two ranks on cuda:0 (gloo: NCCL refuses two ranks on one GPU), against a CUDA reference."""
+    res = launch("parity", 2, tmp_path, steps=10, device="cuda")
+    _ok(res)
+    got = _load(tmp_path, 2)[0]
+    same = worker.reference(10, split=2, device="cuda")
+    assert _diff(got, {k: v.cpu() for k, v in same.items()}) < SAME_SPLIT
+
+
+def test_options_and_layout_functions() -> None:
+    assert resolve_distributed(False) is None
+    assert resolve_distributed("auto") is None  # no process group in this process
+    with pytest.raises(OptionError, match="distributed"):
+        resolve_distributed(True)
+    with pytest.raises(OptionError, match="distributed"):
+        resolve_distributed("yes")  # type: ignore[arg-type]
+    for bad in (
+        {"bucket_bytes": 0},
+        {"timeout": -1.0},
+        {"timeout": True},
+        {"share_frozen": 1},
+        {"shm_dir": ""},
+    ):
+        with pytest.raises(OptionError, match="distributed"):
+            DistributedConfig(**bad)  # type: ignore[arg-type]
+    assert DistributedConfig(timeout=None).timeout is None
+    gib = 2**30
+    assert host_ram_share(100 * gib, 4, 20 * gib) == 40 * gib
+    assert host_ram_share(100 * gib, 1) == 100 * gib
+    with pytest.raises(ValueError):
+        host_ram_share(gib, 0)
+    # ranks of two machines, interleaved: local ranks and node numbers come from host names alone
+    hosts = ["a", "b", "a", "b", "b"]
+    assert [local_layout(hosts, r) for r in range(5)] == [
+        (0, 2, 0),
+        (0, 3, 1),
+        (1, 2, 0),
+        (1, 3, 1),
+        (2, 3, 1),
+    ]
+    assert datetime.timedelta(seconds=DistributedConfig().timeout).total_seconds() == 300.0
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: pathlib.Path):
+    """A process group of one rank in this process (gloo, file store)."""
+    import torch.distributed as dist
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    torch.set_num_threads(old)
+
+
+def test_one_rank_is_bitwise_torch_adamw(one_rank_group: None) -> None:
+    """distributed=True on one rank: the same arithmetic as torch.optim.AdamW, bit for bit."""
+    from tidal_stream import memory_report, unwrap, wrap
+
+    model = worker.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR, weight_decay=worker.WD)
+    model, opt = wrap(model, opt, distributed=DistributedConfig(bucket_bytes=4096, timeout=10.0))
+    for step in range(5):
+        worker.loss_on(model, *worker.global_batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = worker.reference(5)
+    for k, v in model.state_dict().items():
+        assert_bitwise_equal(v, ref[k])
+    rep = memory_report(model)["distributed"]
+    assert rep["world"] == 1 and rep["shard_numel"] == rep["numel"]
+    assert rep["shared_host"]["counted_bytes"] == rep["shared_host"]["bytes"] > 0  # the frozen vector
+    sd = opt.state_dict()
+    assert (
+        set(sd["state"][2]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+        and float(sd["state"][2]["step"]) == 5
+    )
+    unwrap(model)
+    with pytest.raises(StreamError, match="closed"):
+        opt.step()
+
+
+def test_dp_option_errors(one_rank_group: None) -> None:
+    from tidal_stream import wrap
+
+    model = worker.make_model()
+    for bad in ({"distributed": "yes"}, {"distributed": 1}):
+        with pytest.raises(OptionError, match="distributed"):
+            wrap(model, None, **bad)
+    with pytest.raises(OptionError, match="delayed_update"):
+        wrap(model, None, distributed=True, delayed_update=True)
+    with pytest.raises(OptionError, match="offload"):
+        wrap(model, None, distributed=True, offload=False)
+
+
+def test_one_rank_bf16_weights_match_offload_adamw(one_rank_group: None) -> None:
+    """bf16 weights, fp32 masters: the sharded optimizer on one rank and OffloadAdamW (offload=True) agree
+    bit for bit — the same widening, fused host kernel and narrowing."""
+    from tidal_stream import unwrap, wrap
+
+    def run(**options: object) -> dict:
+        model = worker.make_model().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=worker.LR, weight_decay=worker.WD)
+        model, opt = wrap(model, opt, **options)
+        for step in range(4):
+            worker.loss_on(model, *worker.global_batch(step)).float().backward()
+            opt.step()
+            opt.zero_grad()
+        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        unwrap(model)
+        return out
+
+    dp = run(distributed=DistributedConfig(bucket_bytes=2048, timeout=10.0))
+    single = run(distributed=False, offload=True)
+    for k, v in single.items():
+        assert_bitwise_equal(dp[k], v)
+
+
+def test_plan_gets_the_host_ram_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the plan is made with this rank's share of the machine's host RAM (no GPU needed: the
+    profile and planner are stand-ins that record what they were given)."""
+    import types
+
+    import tidal_plan
+    from tidal_stream import distributed
+
+    gib = 2**30
+    seen: dict[str, object] = {}
+
+    def profile(device: object, **kw: object) -> str:
+        seen["profile_host_ram"] = kw["host_ram"]
+        return "profile"
+
+    def plan(census: object, profile: object, config: tidal_plan.PlanConfig) -> object:
+        seen["config"] = config
+        return types.SimpleNamespace(explain=lambda: "the plan")
+
+    monkeypatch.setattr(tidal_plan, "profile_hardware", profile)
+    monkeypatch.setattr(tidal_plan, "plan", plan)
+    monkeypatch.setattr(distributed, "_host_available", lambda: 65 * gib)
+    events: list[tuple[str, str, dict]] = []
+    session = types.SimpleNamespace(
+        device=torch.device("cuda", 0), plan=None, record=lambda k, m, **d: events.append((k, m, d))
+    )
+    ctx = types.SimpleNamespace(local_rank=1, local_world=4)
+    opts = types.SimpleNamespace(plan=None, blocks=None, vram_budget="8GiB", batch_tokens=None)
+    distributed._plan_share(session, worker.make_model(), opts, ctx, 1 * gib)
+    assert seen["profile_host_ram"] == 17 * gib  # the shared GiB once + a quarter of the other 64
+    assert seen["config"].host_ram == 17 * gib and seen["config"].offload is True
+    assert session.plan is not None and events[0][2]["host_ram_share"] == 17 * gib

@@ -1,0 +1,48 @@
+"""``torchrun --nproc_per_node=2`` of a plain ``tidal.wrap`` job: detection, shards, shared copy, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import torch
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_ranks(tmp_path: pathlib.Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(HERE / "torchrun_job.py"),
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=28)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    assert [r["local_rank_env"] for r in res] == [0, 1]
+    assert all(r["optimizer"] == "ShardedHostAdamW" and r["dist"]["world"] == 2 for r in res)
+    assert [r["dist"]["local_rank"] for r in res] == [0, 1]  # found from host names, agrees with torchrun
+    # the two shards tile the trainable parameters; the frozen base is counted once on the machine
+    assert res[0]["dist"]["shard_hi"] == res[1]["dist"]["shard_lo"] == -(-res[0]["dist"]["numel"] // 2)
+    assert sum(r["shared_counted"] for r in res) == res[0]["shared_bytes"] > 128 * 128 * 4
+    w0, w1 = (torch.load(tmp_path / f"weights{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert set(ck["optim"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert all(float(s["step"]) == 3 for s in ck["optim"]["state"].values())

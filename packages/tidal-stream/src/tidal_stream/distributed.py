@@ -340,7 +340,7 @@ def wrap_distributed(
     from tidal_stream.session import Session
     from tidal_stream.sharded_optimizer import ShardedHostAdamW
     from tidal_stream.shared_host import SharedHostCopy
-    from tidal_stream.wrap import _ATTR, _hyper_from, _move_resident, _part2
+    from tidal_stream.wrap import _ATTR, _move_resident, _part2, _setup_training
 
     if opts.delayed_update:
         raise option_error(
@@ -367,20 +367,7 @@ def wrap_distributed(
         world=ctx.world,
     )
     session.record("distributed", _PEER_POOLING)
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
-        session.record("threads", f"host threads set to {opts.threads} (torch.set_num_threads)")
-    groups, decoupled = _hyper_from(optimizer, opts)
-    if not groups:
-        groups = [{"params": list(model.parameters())}]
-    trainable = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())
-    if not trainable:
-        raise option_error(
-            "model",
-            f"{type(model).__name__} with no trainable parameters",
-            "a module with at least one parameter that requires grad",
-            "set requires_grad=True on the parameters to train (or add adapters) before wrap().",
-        )
+    groups, decoupled, trainable = _setup_training(session, model, optimizer, opts)
     _check_same_params(ctx, trainable)
     with torch.no_grad():
         for p in trainable:

@@ -36,8 +36,16 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from tidal_stream._adamw_common import (
+    adamw_defaults,
+    advance_micro,
+    check_accumulation_steps,
+    check_contiguous,
+    moment_dtype_of,
+    run_closure,
+)
 from tidal_stream.adam_kernels import AdamHyper, adam_update, adam_update_many
-from tidal_stream.errors import OptionError, StreamError
+from tidal_stream.errors import StreamError
 from tidal_stream.hostmem import HostRequest
 from tidal_stream.optimizer_reads import ReadGuardMixin
 from tidal_stream.optimizer_state import OffloadStateMixin
@@ -47,7 +55,6 @@ __all__ = ["OffloadAdamW"]
 
 log = logging.getLogger(__name__)
 
-_MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _INFLIGHT_FLOOR = 64 * 2**20  # device gradient bytes allowed in flight to the host (at least 2 tensors)
 # fp32 gradient copies made at once by the device update (at least one tensor); tidal_plan's cost model
 # counts max(this, the largest tensor's fp32 copy) as the update's workspace
@@ -141,22 +148,9 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         seed: int = 0,
         defer_device_state: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            maximize=False,
-            foreach=None,
-            capturable=False,
-            differentiable=False,
-            fused=None,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )
+        defaults = adamw_defaults(lr, betas, eps, weight_decay, decoupled_weight_decay, torch_switches=True)
         super().__init__(params, defaults)
-        if moment_dtype not in _MOMENT:
-            raise StreamError(f"OffloadAdamW: moment_dtype={moment_dtype!r}; accepted 'fp32', 'bf16'")
+        moment = moment_dtype_of("OffloadAdamW", moment_dtype)
         if session is None:
             from tidal_stream.options import WrapOptions
             from tidal_stream.session import Session
@@ -169,7 +163,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         self.session = session
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
-        self.moment_dtype = _MOMENT[moment_dtype]
+        self.moment_dtype = moment
         self.delayed_update = delayed_update
         self.last_grad_norm: float | None = None
         self._micro = 0
@@ -219,11 +213,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         reqs: list[HostRequest] = []
         for s in self._slots.values():
             p = s.param
-            if not p.is_contiguous():
-                raise StreamError(
-                    f"OffloadAdamW: parameter {tuple(p.shape)} is not contiguous; host offload needs "
-                    "contiguous parameters. Fix: call .contiguous() on it before wrap()."
-                )
+            check_contiguous("OffloadAdamW", p, "host offload needs")
             n = p.numel()
             reqs += [
                 HostRequest("master", torch.float32, n),
@@ -258,11 +248,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
 
     @accumulation_steps.setter
     def accumulation_steps(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise OptionError(
-                f"OffloadAdamW.accumulation_steps={n!r} is invalid; accepted: an int >= 1. "
-                "Fix: give the number of micro-steps per update."
-            )
+        check_accumulation_steps("OffloadAdamW", n)
         self._accumulation_steps = n
         if n > 1 and getattr(self, "_slots", None):
             missing = [s for s in self._slots.values() if s.landing is None]
@@ -436,10 +422,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One micro-step: on the last of ``accumulation_steps``, queue every update and return."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._closed:
             raise StreamError(
                 "OffloadAdamW.step(): this optimizer was closed by unwrap() (its host buffers are released). "
@@ -447,10 +430,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
             )
         self._worker.check()
         self._reap()
-        last = self._micro == self.accumulation_steps - 1
-        self._micro = 0 if last else self._micro + 1
-        self._updated_last_step = last
-        if not last:
+        if not advance_micro(self):
             return loss
         with record_function("tidal::step"):
             coef = self._clip_coef() if self.max_grad_norm is not None else None

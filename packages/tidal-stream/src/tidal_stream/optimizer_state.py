@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal_stream.errors import StateDictError
+from tidal_stream._adamw_common import match_param_groups
 
 __all__ = ["OffloadStateMixin"]
 
@@ -34,22 +34,7 @@ class OffloadStateMixin:
         Without a ``master`` entry the masters are taken from the current weights.
         """
         self.synchronize()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)
-        ):
-            raise StateDictError(
-                "OffloadAdamW.load_state_dict: param groups differ: checkpoint has "
-                f"{[len(g['params']) for g in groups]} parameters per group, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}. Fix: build the optimizer over the same "
-                "parameters, in the same groups and order, as the one that saved it."
-            )
-        id_map = {}
-        for g, o in zip(groups, self.param_groups):
-            id_map.update(zip(g["params"], o["params"]))
-            for k, v in g.items():
-                if k != "params":
-                    o[k] = v
+        id_map = match_param_groups("OffloadAdamW", state_dict, self.param_groups)
         for key, st in state_dict["state"].items():
             p = id_map[key]
             self._import_state(p, st)

@@ -42,8 +42,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from tidal_stream._adamw_common import (
+    adamw_defaults,
+    advance_micro,
+    check_accumulation_steps,
+    check_contiguous,
+    match_param_groups,
+    moment_dtype_of,
+    run_closure,
+)
 from tidal_stream.adam_kernels import AdamHyper, adam_update
-from tidal_stream.errors import OptionError, StateDictError, StreamError
+from tidal_stream.errors import StreamError
 from tidal_stream.hostmem import HostRequest
 from tidal_stream.streams import record_event, stream_context
 from tidal_stream.worker import HostWorker
@@ -51,8 +60,6 @@ from tidal_stream.worker import HostWorker
 __all__ = ["ShardedHostAdamW"]
 
 log = logging.getLogger(__name__)
-
-_MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -134,30 +141,14 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         bucket_bytes: int = 25 * 2**20,
         max_inflight_buckets: int = 4,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            maximize=False,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )
+        defaults = adamw_defaults(lr, betas, eps, weight_decay, decoupled_weight_decay, torch_switches=False)
         super().__init__(params, defaults)
-        if moment_dtype not in _MOMENT:
-            raise StreamError(f"ShardedHostAdamW: moment_dtype={moment_dtype!r}; accepted 'fp32', 'bf16'")
-        if (
-            not isinstance(accumulation_steps, int)
-            or isinstance(accumulation_steps, bool)
-            or accumulation_steps < 1
-        ):
-            raise OptionError(
-                f"ShardedHostAdamW: accumulation_steps={accumulation_steps!r}; accepted an int >= 1"
-            )
+        moment = moment_dtype_of("ShardedHostAdamW", moment_dtype)
+        check_accumulation_steps("ShardedHostAdamW", accumulation_steps)
         self.session, self.ctx = session, ctx
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
-        self.moment_dtype = _MOMENT[moment_dtype]
+        self.moment_dtype = moment
         self.bucket_numel = max(1, bucket_bytes // 4)
         self.max_inflight_buckets = max_inflight_buckets
         self.last_grad_norm: float | None = None
@@ -172,11 +163,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad and id(p) not in self._index:
-                    if not p.is_contiguous():
-                        raise StreamError(
-                            f"ShardedHostAdamW: parameter {tuple(p.shape)} is not contiguous; the flat shard "
-                            "layout needs contiguous parameters. Fix: call .contiguous() on it before wrap()."
-                        )
+                    check_contiguous("ShardedHostAdamW", p, "the flat shard layout needs")
                     self._index[id(p)] = len(self._params)
                     self._params.append(p)
                     self._groups.append(g)
@@ -338,18 +325,12 @@ class ShardedHostAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One micro-step: on the last of ``accumulation_steps``, reduce, update the shard, gather."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._closed:
             raise StreamError(
                 "ShardedHostAdamW.step(): this optimizer was closed by unwrap(). Fix: wrap the model again."
             )
-        last = self._micro == self.accumulation_steps - 1
-        self._micro = 0 if last else self._micro + 1
-        self._updated_last_step = last
-        if not last:
+        if not advance_micro(self):
             return loss
         with record_function("tidal::dp_step"):
             self._start_ready(force=True)
@@ -501,22 +482,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         ``master`` entries the masters are taken from the current weights.
         """
         self._check_open()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)
-        ):
-            raise StateDictError(
-                "ShardedHostAdamW.load_state_dict: param groups differ: checkpoint has "
-                f"{[len(g['params']) for g in groups]} parameters per group, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}. Fix: build the optimizer over the same "
-                "parameters, in the same groups and order, as the one that saved it."
-            )
-        id_map = {}
-        for g, o in zip(groups, self.param_groups):
-            id_map.update(zip(g["params"], o["params"]))
-            for k, v in g.items():
-                if k != "params":
-                    o[k] = v
+        id_map = match_param_groups("ShardedHostAdamW", state_dict, self.param_groups)
         for key, st in state_dict["state"].items():
             self.import_param_state(id_map[key], st)
         self.ctx.barrier("load_state_dict")

@@ -87,6 +87,28 @@ def _hyper_from(optimizer: torch.optim.Optimizer | None, opts: WrapOptions) -> t
     return groups, decoupled
 
 
+def _setup_training(
+    session: Session, model: nn.Module, optimizer: torch.optim.Optimizer | None, opts: WrapOptions
+) -> tuple[list[dict], bool, list[nn.Parameter]]:
+    """Apply ``opts.threads``; return the param groups, AdamW (True) vs Adam, and the trainable parameters
+    (each once, in group order). Raises when nothing is trainable."""
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+        session.record("threads", f"host threads set to {opts.threads} (torch.set_num_threads)")
+    groups, decoupled = _hyper_from(optimizer, opts)
+    if not groups:
+        groups = [{"params": list(model.parameters())}]  # as torch.optim.AdamW(model.parameters())
+    trainable = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())
+    if not trainable:
+        raise option_error(
+            "model",
+            f"{type(model).__name__} with no trainable parameters",
+            "a module with at least one parameter that requires grad",
+            "set requires_grad=True on the parameters to train (or add adapters) before wrap().",
+        )
+    return groups, decoupled, trainable
+
+
 def _part2(session: Session, model: nn.Module, opts: WrapOptions) -> None:
     """Hand the part-2 options to their installer, or refuse non-default ones while it is missing."""
     try:
@@ -177,20 +199,7 @@ def wrap(
     if dp is not None:  # data parallel: every rank of the process group wraps collectively
         return wrap_distributed(model, optimizer, opts, device, dp)
     session = Session(model, opts, device)
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
-        session.record("threads", f"host threads set to {opts.threads} (torch.set_num_threads)")
-    groups, decoupled = _hyper_from(optimizer, opts)
-    if not groups:
-        groups = [{"params": list(model.parameters())}]  # as torch.optim.AdamW(model.parameters())
-    trainable = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())
-    if not trainable:
-        raise option_error(
-            "model",
-            f"{type(model).__name__} with no trainable parameters",
-            "a module with at least one parameter that requires grad",
-            "set requires_grad=True on the parameters to train (or add adapters) before wrap().",
-        )
+    groups, decoupled, trainable = _setup_training(session, model, optimizer, opts)
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     place = decide_placement(session, model, opts, trainable)
     moment = place.moment_dtype

@@ -134,11 +134,6 @@ def test_profile_hardware_option(option, fuzz_count, tmp_path, monkeypatch):
     run()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="profile_hardware(vram_budget=0) is accepted (a zero budget) while PlanConfig(vram_budget=0) is "
-    "refused (hardware.py profile_hardware: no positivity check)",
-)
 def test_profile_hardware_zero_budget(fuzz_count, tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     fuzz_count("profile_hardware(option=...)")

@@ -38,13 +38,14 @@ CONFIGS = {
 KNOWN = {
     ("host", "backward"): "OffloadAdamW updates each parameter as its gradient lands in backward, so an "
     "interrupted backward leaves the later blocks updated and the others not (optimizer.py _on_grad -> _land)",
-    ("host", "step"): "a failed host update poisons the worker (HostWorker.error is never cleared): every "
-    "later step(), synchronize() and state_dict() raises StreamError (worker.py check)",
     (
-        "host-clip",
+        "host",
         "step",
-    ): "a failed host update poisons the worker (HostWorker.error is never cleared): every "
-    "later step(), synchronize() and state_dict() raises StreamError (worker.py check)",
+    ): "a failed host update is surfaced once as StreamError (not a RuntimeError) from the next "
+    "gradient hook, the updates that ran before it are kept (no rollback), and the slot whose job was refused "
+    "stays not-ready, so the next forward waits forever (optimizer.py _on_grad clears ready before submit)",
+    ("host-clip", "step"): "a failed host update is surfaced once as StreamError (not a RuntimeError), and "
+    "the updates that ran before it are kept: no rollback of weights or state (optimizer.py _update)",
     ("device", "step"): "the device AdamW updates parameters one by one in step(); a failure part-way leaves "
     "the earlier ones updated (optimizer.py _device_update)",
 }

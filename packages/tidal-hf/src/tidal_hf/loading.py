@@ -298,6 +298,24 @@ def _fill_random(filler: _Filler, seed: int) -> None:
             setattr(model.get_submodule(parent), attr, QuantLinear.from_linear(module, filler.fmt))
 
 
+def _check_device(device: Any) -> torch.device:
+    """Validate ``load_model``'s ``device`` up front; None picks CUDA when available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    accepted = 'None, "cpu", "cuda", "cuda:N" or a torch.device of type cpu/cuda'
+    dev = None
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise bad_option("load_model", "device", device, accepted, 'pass device="cuda" or device="cpu"')
+    return dev
+
+
 # ---------------------------------------------------------------------------------------------- API
 def load_model(
     name_or_path: str | os.PathLike | Any,
@@ -323,7 +341,8 @@ def load_model(
         dtype: dtype of the floating-point tensors kept exact.
         random_weights: build the exact shapes with random weights (the model's own initialiser) and
             read no weight file.
-        device: where every tensor is placed as it is read; None: CUDA when available, else the CPU.
+        device: where every tensor is placed as it is read: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a
+            cpu/cuda ``torch.device``; None: CUDA when available, else the CPU.
         allow_pickle: accept ``.bin``/``.pt`` pickle checkpoints (they can run code when loaded).
         progress: show a tqdm bar in bytes.
         seed: seed of ``random_weights``.
@@ -349,11 +368,7 @@ def load_model(
     ):
         if not isinstance(value, bool):
             raise bad_option("load_model", flag, value, "True or False")
-    dev = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    dev = _check_device(device)
     if isinstance(name_or_path, PretrainedConfig):
         if not random_weights:
             raise bad_option(

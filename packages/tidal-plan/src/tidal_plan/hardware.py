@@ -248,6 +248,8 @@ def profile_hardware(
         raise PlanConfigError("device", device, "a CUDA device torch can see", "pass device='cpu'")
     headroom_b = parse_bytes(headroom, option="headroom")
     budget_b = parse_bytes(vram_budget, option="vram_budget") if vram_budget is not None else None
+    if budget_b is not None and budget_b <= 0:  # same rule as PlanConfig.vram_budget
+        raise PlanConfigError("vram_budget", vram_budget, "a positive size or None", "e.g. '24GiB'")
     host_b = (
         parse_bytes(host_ram, option="host_ram") if host_ram is not None else measure.host_ram_available()
     )

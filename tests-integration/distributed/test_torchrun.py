@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 HERE = pathlib.Path(__file__).parent
@@ -20,7 +21,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_two_ranks(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL run needs two GPUs"),
+            ],
+        ),
+    ],
+)
+def test_torchrun_two_ranks(tmp_path: pathlib.Path, backend: str) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -31,8 +45,10 @@ def test_torchrun_two_ranks(tmp_path: pathlib.Path) -> None:
         str(HERE / "torchrun_job.py"),
         str(tmp_path),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=28)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDAL_TEST_BACKEND=backend)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=28 if backend == "gloo" else 120
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
     assert [r["local_rank_env"] for r in res] == [0, 1]

@@ -39,13 +39,17 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
 def main() -> None:
     out = pathlib.Path(sys.argv[1])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    backend = os.environ.get("TIDAL_TEST_BACKEND", "gloo")  # "nccl": one GPU per rank
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = Adapted()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = Adapted().to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = tidal_stream.wrap(model, opt)  # data parallel: detected from the process group
     for step in range(3):
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -53,7 +57,7 @@ def main() -> None:
     state = opt.state_dict(rank0_only=True)
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": state}, out / "ckpt.pt")
-    torch.save(model.state_dict(), out / f"weights{rank}.pt")
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
     result = {
         "rank": rank,
         "local_rank_env": int(os.environ["LOCAL_RANK"]),

@@ -162,6 +162,7 @@ def _lora_parity(tmp_path, device, tol):
         model = _lora_quant_model(device)
         frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
         args = _args(tmp_path / cls.__name__, use_cpu=device == "cpu", max_steps=10)
+        args._n_gpu = min(args.n_gpu, 1)  # the reference on one GPU too, not DataParallel over all
         trainer = cls(model=model, args=args, train_dataset=_Data(model.config.vocab_size), **extra)
         trainer.train()
         state = model.state_dict()
@@ -181,6 +182,19 @@ def test_lora_on_quant_matches_trainer(tmp_path):
 def test_lora_on_quant_matches_trainer_cuda(tmp_path):
     # fp32 model on CUDA (TF32 off by default): only summation order differs from the reference
     _lora_parity(tmp_path, "cuda", 1e-5)
+
+
+def test_one_process_trains_on_one_gpu(tmp_path, caplog):
+    """Several visible GPUs without torchrun: no nn.DataParallel around the wrapped model."""
+    model = make_tiny("llama", seed=5)
+    args = _args(tmp_path, max_steps=1)
+    args._n_gpu = 2  # as TrainingArguments reports on a 2-GPU machine
+    with caplog.at_level("WARNING", logger="tidal_hf.trainer"):
+        trainer = TidalTrainer(model=model, args=args, train_dataset=_Data(model.config.vocab_size))
+    assert trainer.args.n_gpu == 1 and args.n_gpu == 2  # the caller's arguments are left as given
+    assert "2 GPUs visible in one process" in caplog.text
+    trainer.train()
+    assert not isinstance(trainer.model_wrapped, torch.nn.DataParallel)
 
 
 def test_user_optimizer(tmp_path):

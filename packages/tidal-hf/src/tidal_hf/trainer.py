@@ -134,6 +134,16 @@ class TidalTrainer(Trainer):
         )
         self._tidal_last_log: tuple[float, int, int] | None = None
         super().__init__(*args, **kwargs)
+        if self.args.n_gpu > 1:
+            # without torchrun the Trainer would wrap the model in nn.DataParallel over every visible GPU:
+            # replicas cannot share one streamed, host-updated model, so train on args.device alone
+            log.warning(
+                "TidalTrainer: %d GPUs visible in one process; training on %s only (launch with torchrun "
+                "for data parallel)",
+                self.args.n_gpu,
+                self.args.device,
+            )
+            self.args._n_gpu = 1
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self) -> torch.optim.Optimizer:

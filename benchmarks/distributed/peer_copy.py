@@ -18,7 +18,8 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
         for _ in range(2):  # warm-up: first copies set up peer mappings
             dst.copy_(src, non_blocking=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(src.device)  # the source is ready before timing starts
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)  # the source GPU's fill is done before timing starts
         start.record()
         for _ in range(repeats):
             dst.copy_(src, non_blocking=True)

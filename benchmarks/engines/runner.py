@@ -54,6 +54,8 @@ def run_engine(
     """Run one engine on one scenario in this process and return its result record (never raises)."""
     engine, scenario = get_engine(engine_name), get_scenario(scenario_name)
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # set_device and the filler need an index
     budget = int(vram_gb * GiB) if vram_gb else None
     rec: dict[str, Any] = {
         "event": "result",

@@ -40,11 +40,11 @@ def main() -> None:
     out = pathlib.Path(sys.argv[1])
     torch.set_num_threads(1)
     backend = os.environ.get("TIDAL_TEST_BACKEND", "gloo")  # "nccl": one GPU per rank
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before the process group: NCCL binds each rank to its GPU
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = Adapted().to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = tidal_stream.wrap(model, opt)  # data parallel: detected from the process group
@@ -58,13 +58,16 @@ def main() -> None:
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": state}, out / "ckpt.pt")
     torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
+    shared = rep["distributed"].get("shared_host")  # None on CUDA: the frozen base is resident on the GPU
     result = {
         "rank": rank,
         "local_rank_env": int(os.environ["LOCAL_RANK"]),
         "dist": {k: v for k, v in rep["distributed"].items() if k != "shared_host"},
-        "shared_counted": rep["distributed"]["shared_host"]["counted_bytes"],
-        "shared_bytes": rep["distributed"]["shared_host"]["bytes"],
+        "shared_counted": shared["counted_bytes"] if shared else None,
+        "shared_bytes": shared["bytes"] if shared else None,
+        "base_device": str(model.base.weight.device),
         "optimizer": type(opt).__name__,
+        "events": [e["message"] for e in rep["events"]],
     }
     tidal_stream.unwrap(model)
     (out / f"result{rank}.json").write_text(json.dumps(result))

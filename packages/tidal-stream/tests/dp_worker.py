@@ -91,18 +91,29 @@ def reference(
     first: int = 0,
     split: int = 1,
     device: str = "cpu",
+    host_adamw: bool = False,
 ) -> dict:
     """Single-process training on the same global batches: torch.optim.AdamW(fused=True), the kernel the
     host optimizer runs (torch's single-tensor path differs from it in the last bit).
 
     ``split > 1`` computes the gradient as data parallel does: one backward per rank's rows, summed in
     rank order and divided by ``split`` (the same arithmetic as the all-reduce of 2 ranks).
+
+    ``host_adamw``: forward and backward on ``device``, the update by the CPU fused AdamW on fp32 host
+    copies written back after each step — the arithmetic of the host optimizer. On CUDA the fused CUDA
+    AdamW rounds differently from the CPU one (see the test module), so parity on CUDA compares like
+    with like this way.
     """
     model = make_model().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    params = list(model.parameters())
+    masters = [p.detach().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    opt = torch.optim.AdamW(masters if host_adamw else params, lr=LR, weight_decay=WD, fused=True)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                m.copy_(p)
     per = GLOBAL_BATCH // split
     for step in range(first, first + steps):
         idx, tgt = (t.to(device) for t in global_batch(step))
@@ -119,11 +130,19 @@ def reference(
             for p in model.parameters():
                 if id(p) in total:
                     p.grad = total[id(p)] / split
+        if host_adamw:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.cpu() if p.grad is not None else None
+            model.zero_grad()
         if clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
+            nn.utils.clip_grad_norm_(masters if host_adamw else params, clip, foreach=False)
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if host_adamw:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _train(
@@ -150,11 +169,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 60)))
+    backend = cfg.get("backend", "gloo")  # "nccl": one GPU per rank (device "cuda" means cuda:LOCAL_RANK)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 60)))
     dcfg = DistributedConfig(bucket_bytes=cfg.get("bucket_bytes", 4096), timeout=cfg.get("timeout", 30.0))
     out: dict = {"rank": rank}
     if scenario == "parity":
         device = cfg.get("device", "cpu")
+        if backend == "nccl":
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
         model = make_model().to(device)
         if rank != 0:
             with torch.no_grad():
@@ -167,7 +191,12 @@ def main() -> None:
             model, opt, distributed=dcfg, max_grad_norm=cfg.get("clip"), accumulation_steps=accum
         )
         rep = memory_report(model)
-        out.update({k: rep["distributed"][k] for k in ("shard_lo", "shard_hi", "numel", "buckets")})
+        keys = ("shard_lo", "shard_hi", "shard_numel", "numel", "buckets", "optimizer_host_bytes", "backend")
+        out.update({k: rep["distributed"][k] for k in keys})
+        out["shared_host"] = rep["distributed"].get("shared_host")
+        out["host_bytes"] = rep["host"]["host_bytes"]
+        out["device_weights_bytes"] = rep["tiers"]["device"]["weights_bytes"]
+        out["frozen_devices"] = sorted({str(p.device) for p in model.parameters() if not p.requires_grad})
         out["events"] = [e["message"] for e in rep["events"]]
         steps, at = cfg["steps"], cfg.get("ckpt_at", cfg["steps"])
         _train(model, opt, rank, world, at, 0, accum)
@@ -188,7 +217,8 @@ def main() -> None:
             _train(model, opt, rank, world, steps - at, at, accum)
         out["early_updates"] = memory_report(model)["distributed"]["early_updates"]
         torch.save(
-            {k: v.detach().clone() for k, v in model.state_dict().items()}, outdir / f"params{rank}.pt"
+            {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+            outdir / f"params{rank}.pt",
         )
         unwrap(model)
     elif scenario == "shared":
@@ -210,7 +240,8 @@ def main() -> None:
         out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in frozen.values())
         out["events"] = [e["message"] for e in rep["events"]]
         torch.save(
-            {k: v.detach().clone() for k, v in model.state_dict().items()}, outdir / f"params{rank}.pt"
+            {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+            outdir / f"params{rank}.pt",
         )
         dist.barrier()  # keep every mapping alive until all ranks have read their smaps
         unwrap(model)

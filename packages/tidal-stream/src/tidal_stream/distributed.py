@@ -13,7 +13,17 @@ When a process group with more than one rank is initialized (``torchrun --nproc_
 - frozen weights that live in host memory are shared by the ranks of one machine
   (:mod:`tidal_stream.shared_host`): one copy per node, filled by local rank 0;
 - every collective of tidal runs on a group with ``DistributedConfig.timeout``: a rank that crashes or
-  stalls makes the others raise :class:`DistributedError` instead of hanging.
+  stalls makes the others raise :class:`DistributedError` instead of hanging (gloo; NCCL: see below).
+
+[Note: one logic, two backends] every collective goes through :class:`DPContext`, whose ``comm_device`` is
+chosen by the backend: NCCL reduces only CUDA tensors (the rank's own GPU), gloo reduces CPU tensors (and
+is used for CPU training and for ranks sharing one GPU). Host tensors (the optimizer shard, checkpoints)
+move to ``comm_device`` and back through :meth:`DPContext.to_comm`; nothing else branches on the backend,
+except the barrier (gloo's ``monitored_barrier`` names the missing ranks; NCCL's barrier is given the GPU).
+Timeouts: gloo raises in the waiting call; under NCCL the group's watchdog aborts the communicator after
+``timeout`` (torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` then ends the process with the error), so
+a dead peer ends every rank with an error, never a hang; with ``TORCH_NCCL_BLOCKING_WAIT=1`` set before
+``init_process_group`` the waiting call raises instead, which tidal turns into :class:`DistributedError`.
 
 [Note: ranks and machines] nothing assumes all ranks are local: the ranks of one machine are found by
 exchanging host names (not from ``LOCAL_RANK``), and the planner's host RAM is split between the ranks of
@@ -43,6 +53,7 @@ __all__ = [
     "DPContext",
     "DistributedConfig",
     "DistributedError",
+    "comm_device_for",
     "dp_context",
     "host_ram_share",
     "local_layout",
@@ -170,11 +181,12 @@ class DPContext:
 
     def barrier(self, what: str) -> None:
         """All ranks meet; gloo names the ranks that did not arrive (``monitored_barrier``)."""
-        if self.backend == "gloo":
+        if self.comm_device.type == "cpu":
             t = datetime.timedelta(seconds=self.timeout) if self.timeout is not None else None
             self.run(what, dist.monitored_barrier, timeout=t, wait_all_ranks=True)
         else:
-            self.run(what, dist.barrier)
+            # NCCL: name this rank's GPU (otherwise torch guesses it from the global rank)
+            self.run(what, dist.barrier, device_ids=[self.comm_device.index])
 
     def to_comm(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the collective device (itself when already there)."""
@@ -204,15 +216,43 @@ class DPContext:
         return out
 
 
+def comm_device_for(backend: str, device: torch.device) -> torch.device:
+    """Where the collectives' tensors live: this rank's GPU when the backend is (or includes, as torch's
+    default ``"cpu:gloo,cuda:nccl"``) NCCL and training runs on CUDA — NCCL reduces only CUDA tensors;
+    the CPU for gloo (CPU training, or ranks sharing one GPU).
+
+    Raises:
+        OptionError: NCCL alone without a CUDA training device, or a backend with neither.
+    """
+    if "nccl" in backend and device.type == "cuda":
+        return device
+    if "gloo" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        raise option_error(
+            "device",
+            str(device),
+            "a CUDA device under the NCCL backend (NCCL reduces only CUDA tensors)",
+            'init_process_group("gloo") to train on the CPU, or put the model on cuda:LOCAL_RANK.',
+        )
+    raise option_error(
+        "torch.distributed backend", backend, '"nccl" or "gloo"', "init_process_group with one of them."
+    )
+
+
 def dp_context(config: DistributedConfig, device: torch.device) -> DPContext:
     """Build the context of this rank: a group with the timeout, local ranks by host name."""
     backend = str(dist.get_backend())
+    comm = comm_device_for(backend, device)
+    if comm.type == "cuda" and torch.cuda.current_device() != comm.index:
+        # object collectives (all_gather_object) and NCCL's own setup use the current device
+        log.info("data parallel: torch.cuda.set_device(%s) (the training device of this rank)", comm)
+        torch.cuda.set_device(comm)
     group = None
     if config.timeout is not None:
         # why a new group: the default group's timeout is fixed at init; tidal's collectives use its own
         group = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = device if backend == "nccl" else torch.device("cpu")
     ctx = DPContext(group, rank, world, 0, 1, 0, backend, comm, config.timeout)
     hosts = ctx.all_objects(socket.gethostname(), "host name exchange")
     ctx.local_rank, ctx.local_world, ctx.node = local_layout(hosts, rank)
@@ -272,8 +312,22 @@ def _plan_share(session: Any, model: nn.Module, opts: Any, ctx: DPContext, share
     )
     if session.device.type != "cuda" or opts.plan is not None:
         return
+    from tidal_plan import PlanConfigError
+
     blocks = opts.blocks
-    c = census(model, blocks=nn.ModuleList(blocks) if isinstance(blocks, (list, tuple)) else blocks)
+    try:
+        c = census(model, blocks=nn.ModuleList(blocks) if isinstance(blocks, (list, tuple)) else blocks)
+    except PlanConfigError as e:
+        if blocks is not None or e.option != "blocks":
+            raise  # blocks= was given and is wrong: the user must fix it
+        # no block stack: nothing to stream or recompute per block, and the optimizer is sharded on the
+        # host whatever a plan says, so there is nothing to plan (weights.install finds no stack either)
+        session.record(
+            "plan",
+            f"no plan: {type(model).__name__} has no block stack (a ModuleList/Sequential of >= 2 same-type "
+            "children); weights stay where wrap() puts them, the optimizer is sharded on the host",
+        )
+        return
     profile = profile_hardware(session.device, vram_budget=opts.vram_budget, host_ram=share)
     cfg: dict[str, Any] = {"vram_budget": opts.vram_budget, "host_ram": share, "offload": True}
     if opts.batch_tokens is not None:
@@ -361,8 +415,8 @@ def wrap_distributed(
     session = Session(model, opts, device)
     session.record(
         "distributed",
-        f"data parallel: rank {ctx.rank} of {ctx.world} ({ctx.backend}), local rank {ctx.local_rank} of "
-        f"{ctx.local_world} on node {ctx.node}; timeout {ctx.timeout}",
+        f"data parallel: rank {ctx.rank} of {ctx.world} ({ctx.backend}, collectives on {ctx.comm_device}), "
+        f"local rank {ctx.local_rank} of {ctx.local_world} on node {ctx.node}; timeout {ctx.timeout}",
         rank=ctx.rank,
         world=ctx.world,
     )

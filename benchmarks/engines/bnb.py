@@ -63,9 +63,18 @@ def setup(ctx: RunContext, checkpointing: bool) -> Callable[[], float]:
     if ctx.device.type != "cuda":
         raise NotApplicable("bitsandbytes NF4 training needs CUDA")
     model = build_meta_model(sc, torch.bfloat16)
-    materialize(
-        model, "device", device=ctx.device, seed=ctx.seed, block_hook=lambda b: quantize_block_(b, ctx.device)
-    )
+    built = []  # blocks quantized so far, for an out-of-memory message that says where the build was
+
+    def hook(block: nn.Module) -> None:
+        quantize_block_(block, ctx.device)
+        built.append(torch.cuda.memory_allocated(ctx.device))
+
+    try:
+        materialize(model, "device", device=ctx.device, seed=ctx.seed, block_hook=hook)
+    except torch.OutOfMemoryError as exc:
+        gib = [round(b / 2**30, 2) for b in built[-3:]]
+        where = f"building: {len(built)} blocks quantized, GiB allocated after the last ones {gib}"
+        raise torch.OutOfMemoryError(f"{exc} [{where}]") from exc
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -87,12 +87,18 @@ def linear_profile(in_f: int, out_f: int, tokens: int) -> None:
     data, scales = qf.data, qf.scales
     q, sa = _triton.quantize_rows_fp8(xd)
     row("fp8: activation quant (Triton)", lambda: _triton.quantize_rows_fp8(xd))
-    row(
-        "fp8: _scaled_mm rowwise",
-        lambda: torch._scaled_mm(
-            q, data.t(), scale_a=sa, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16
-        ),
-    )
+    for fast in (False, True):  # ops.FP8_FAST_ACCUM_FORWARD picks the forward's setting
+        row(
+            f"fp8: _scaled_mm rowwise, fast_accum={fast}",
+            lambda fast=fast: torch._scaled_mm(
+                q,
+                data.t(),
+                scale_a=sa,
+                scale_b=scales.view(1, -1),
+                out_dtype=torch.bfloat16,
+                use_fast_accum=fast,
+            ),
+        )
     one = torch.ones((), device="cuda")
     row(  # the same product with one scale per tensor: tells whether the rowwise kernel is the slow part
         "fp8: _scaled_mm tensorwise (compare)",

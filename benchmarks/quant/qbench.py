@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 import tidal_quant as tq
+from tidal_quant import ops
 
 # Qwen2.5-14B linear layers, as (name, in_features, out_features).
 QWEN14B_LAYERS = [
@@ -61,6 +62,25 @@ def cuda_ms_pipelined(fn: Callable[[], object], warmup: int = 3, reps: int = 50)
     return start.elapsed_time(end) / reps
 
 
+def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Device milliseconds per call of ``fn()``: ``reps`` calls captured in one CUDA graph and replayed,
+    so no host launch cost is counted (the kernel's own throughput; eager cost is :func:`cuda_ms_pipelined`).
+    """
+    side = torch.cuda.Stream()  # why: capture must start from a non-default stream after warm-up
+    side.wait_stream(torch.cuda.current_stream())  # why: inputs made on the default stream are ready
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up outside the graph: Triton compiles, caches fill
+            fn()
+    torch.cuda.current_stream().wait_stream(side)  # why: warm-up done before capture begins
+    torch.cuda.synchronize()  # why: a clean device before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()  # first replay uploads the graph
+    return cuda_ms(graph.replay, warmup=1, reps=5) / reps
+
+
 def copy_gbps(nbytes: int = 1 << 30) -> float:
     """HBM device-to-device copy bandwidth in GB/s (read + write bytes per second)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -69,23 +89,37 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def nf4_weight(in_f: int, out_f: int) -> tq.QuantizedWeight:
+def nf4_weight(in_f: int, out_f: int, fmt: str = "nf4") -> tq.QuantizedWeight:
     w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
-    return tq.quantize(w, "nf4")
+    return tq.quantize(w, fmt)
 
 
 def dequant_bytes(qw: tq.QuantizedWeight) -> int:
-    """Bytes an NF4 dequantize to bf16 must move: packed codes + absmax read, bf16 written."""
+    """Bytes a dequantize to bf16 must move: packed codes + scales read, bf16 written."""
     return qw.nbytes() + 2 * qw.numel
 
 
-def nf4_dequant_case(in_f: int, out_f: int) -> dict:
-    """NF4 → bf16 dequantize of one layer: back-to-back ms (→ GB/s) and isolated-call ms."""
-    qw = nf4_weight(in_f, out_f)
-    ms = cuda_ms_pipelined(lambda: tq.dequantize(qw, torch.bfloat16))
-    gbps = dequant_bytes(qw) / ms / 1e6
-    iso = cuda_ms(lambda: tq.dequantize(qw, torch.bfloat16))
-    return {"shape": f"{out_f}x{in_f}", "ms": ms, "gbps": gbps, "isolated_ms": iso}
+def nf4_dequant_case(in_f: int, out_f: int, fmt: str = "nf4") -> dict:
+    """Dequantize → bf16 of one layer (``fmt`` nf4 by default): device ms (CUDA graph, → GB/s),
+    back-to-back eager ms of the public ``tq.dequantize`` call, and one isolated call's ms."""
+    qw = nf4_weight(in_f, out_f, fmt)
+    args = (ops.as_bytes(qw.data), ops.as_bytes(qw.scales), qw.global_scale, fmt, qw.shape)
+    want = ops._dequant_ref(*args, qw.block_size or 0, torch.float32)  # the pure-torch reference
+    got = tq.dequantize(qw, torch.bfloat16).float()
+    if not bool(((got - want).abs() <= want.abs() * 2.0**-8).all()):
+        raise AssertionError(f"{fmt} dequantize {out_f}x{in_f} differs from the reference; not timing it")
+    fn = lambda: tq.dequantize(qw, torch.bfloat16)  # noqa: E731
+    dev = graph_ms(fn)
+    eager = cuda_ms_pipelined(fn)
+    nbytes = dequant_bytes(qw)
+    return {
+        "shape": f"{out_f}x{in_f}",
+        "device_ms": dev,
+        "gbps": nbytes / dev / 1e6,
+        "ms": eager,
+        "eager_gbps": nbytes / eager / 1e6,
+        "isolated_ms": cuda_ms(fn),
+    }
 
 
 def make_layer(kind: str, in_f: int, out_f: int, weight: torch.Tensor) -> torch.nn.Module:
@@ -153,7 +187,8 @@ def forward_path(layer: torch.nn.Module, x: torch.Tensor) -> str:
 
 
 def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[str, float | str]:
-    """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included).
+    """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included):
+    ``"<kind>"`` one synchronized step at a time, ``"<kind>:b2b"`` per step over back-to-back steps.
 
     Also ``"<kind>:path"``: the forward compute path tidal chose for that kind.
     """
@@ -162,11 +197,14 @@ def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[st
     x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
     ref = make_layer("bf16", in_f, out_f, weight)
-    out: dict[str, float | str] = {"bf16": cuda_ms(fwd_bwd(ref, x, g))}
+    step = fwd_bwd(ref, x, g)
+    out: dict[str, float | str] = {"bf16": cuda_ms(step), "bf16:b2b": cuda_ms_pipelined(step, reps=20)}
     for kind in kinds:
         layer = make_layer(kind, in_f, out_f, weight)
         check_layer(kind, layer, ref, x.detach())
-        out[kind] = cuda_ms(fwd_bwd(layer, x, g))
+        step = fwd_bwd(layer, x, g)
+        out[kind] = cuda_ms(step)
+        out[f"{kind}:b2b"] = cuda_ms_pipelined(step, reps=20)
         out[f"{kind}:path"] = forward_path(layer, x.detach())
         del layer
     return out

@@ -52,15 +52,20 @@ def test_quantize_pack_bit_exact(fmt, bs, dq):
 @gpu
 @pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
 def test_dequantize_matches_reference(fmt):
-    w = _weights()[0]
-    qw = tq.quantize(w.cpu(), fmt)
-    ref32 = tq.dequantize(qw, torch.float32)
-    qg = qw.to("cuda")
-    # fp32 output: one fp32 multiply per element, as the reference → identical
-    assert_bitwise_equal(tq.dequantize(qg, torch.float32), ref32, f"{fmt} fp32")
-    # bf16 output: within one bf16 rounding of the fp32 reference
-    got = tq.dequantize(qg, torch.bfloat16).float().cpu()
-    assert bool(((got - ref32).abs() <= ref32.abs() * BF16_ULP).all())
+    # 256x1024: the 4-bit kernels tile it exactly (unmasked path); 37x61: odd element count (masked)
+    for w in _weights()[0:3:2]:
+        if fmt == "nvfp4" and w.shape[1] % 16:
+            continue
+        qw = tq.quantize(w.cpu(), fmt)
+        ref32 = tq.dequantize(qw, torch.float32)
+        qg = qw.to("cuda")
+        what = f"{fmt} {tuple(w.shape)}"
+        # fp32 output: one fp32 multiply per element, as the reference → identical
+        assert_bitwise_equal(tq.dequantize(qg, torch.float32), ref32, f"{what} fp32")
+        # bf16 output: within one bf16 rounding of the fp32 reference
+        got = tq.dequantize(qg, torch.bfloat16)
+        assert got.shape == w.shape and got.is_contiguous()
+        assert bool(((got.float().cpu() - ref32).abs() <= ref32.abs() * BF16_ULP).all()), what
 
 
 @gpu
@@ -78,7 +83,7 @@ def test_quant_linear_gpu_paths(fmt, tokens):
     # bf16 inputs and output: ≥ 40 dB against the fp32 product with the same dequantized weight
     assert_sqnr(x.detach().float() @ wd.t(), y.float(), 40.0, f"{fmt} fwd {tokens} tokens {counts}")
     if tokens <= ops.FUSED_MAX_TOKENS:  # run the fused kernel too, whatever the measurement chose
-        for cfg in ((16, 64, 64), (16, 32, 128)):
+        for cfg in ((16, 64, 64), (16, 32, 128), (16, 32, 128, 4, 3, 4)):  # the last: split-K, 4 ranges
             from tidal_quant import _triton
 
             fused = _triton.fused_matmul(
@@ -189,11 +194,26 @@ _INTERP = textwrap.dedent(
         assert torch.equal(q, rq) and torch.equal(s, rs), ("int8", bs)
         assert torch.equal(T.dequantize(0, rq, rs, None, w.shape, bs, torch.float32),
                            R.dequantize_int8(rq, rs, bs, torch.float32))
+    w2 = torch.randn(64, 256) * 0.02  # 16384 codes: the unmasked int8 tiling (8192 per program)
+    for bs in (64, 6):  # one scale per 8-code group / one per code
+        rq, rs = R.quantize_int8(w2, bs)
+        assert torch.equal(T.dequantize(0, rq, rs, None, w2.shape, bs, torch.float32),
+                           R.dequantize_int8(rq, rs, bs, torch.float32)), ("int8 tiled", bs)
     odd = torch.randn(37, 61)  # odd numel: the last byte holds one element
     for bs in (64, 16):
         rq, rs = R.quantize_nf4(odd, bs)
         assert torch.equal(T.dequantize(1, rq, rs, None, odd.shape, bs, torch.float32),
                            R.dequantize_nf4(rq, rs, odd.shape, bs, torch.float32)), ("nf4 odd", bs)
+    # 16-bit outputs are written as one 32-bit word per packed byte: check each element's position. The
+    # interpreter rounds fp32 -> bf16 by truncation (the GPU by round-to-nearest-even, checked there), so
+    # each bf16 must be the fp32 value's top half; fp16 is rounded by numpy, as torch rounds it.
+    for shape, bs in (((37, 61), 64), ((64, 256), 64), ((8, 1024), 16)):  # odd numel, tiled, tiled nvfp4-like
+        x = torch.randn(shape) * 0.02
+        rq, rs = R.quantize_nf4(x, bs)
+        r32 = R.dequantize_nf4(rq, rs, shape, bs, torch.float32)
+        b = T.dequantize(1, rq, rs, None, shape, bs, torch.bfloat16)
+        assert b.shape == shape and torch.equal(b.view(torch.int16), (r32.view(torch.int32) >> 16).to(torch.int16))
+        assert torch.equal(T.dequantize(1, rq, rs, None, shape, bs, torch.float16), r32.half()), ("fp16", shape)
     for shape in ((40, 100), (3, 1030)):
         d, s = R.quantize_fp8(torch.randn(shape) * 0.02)
         assert torch.equal(T.dequantize(3, d, s, None, shape, 0, torch.float32),
@@ -221,8 +241,9 @@ _INTERP = textwrap.dedent(
             d, s = R.quantize_nf4(W, bs); g = None; ref = R.dequantize_nf4(d, s, W.shape, bs, torch.float32)
         else:
             d, s, g = R.quantize_nvfp4(W); ref = R.dequantize_nvfp4(d, s, g, torch.float32)
-        for cfg in ((16, 32, 64), (16, 16, 128), (16, 32, 32)):
-            if k % cfg[2] == 0:
+        # (BM, BN, BK[, warps, stages, split-K]): split-K sums fp32 partial products of K ranges
+        for cfg in ((16, 32, 64), (16, 16, 128), (16, 32, 32), (16, 32, 32, 4, 1, 2), (16, 16, 16, 4, 1, 4)):
+            if (k // cfg[2]) % (cfg[5] if len(cfg) > 5 else 1) == 0 and k % cfg[2] == 0:
                 y = T.fused_matmul(fid, x, d, s, g, W.shape, bs, cfg)
                 assert (y - x @ ref.T).abs().max() < 1e-5, (fid, bs, cfg)
     # per-row fp8 activation quantization up to the e4m3 cast (the interpreter does not round like
@@ -250,3 +271,71 @@ def test_kernels_in_triton_interpreter():
         [sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+_HOPPER_PTX = textwrap.dedent(
+    """
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tidal_quant import _triton as T
+
+    def ptx(fn, sig, consts, ints):
+        # what a launch specializes: 16-byte-aligned pointers, sizes divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+                 if t.startswith("*") or n in ints}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        return k.asm["ptx"], k.metadata.shared
+
+    sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i32",
+           "n_bytes": "i32", "nblocks": "i32", "GB": "constexpr", "NG": "constexpr", "NVFP4": "constexpr",
+           "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
+    consts = {"GB": 32, "NG": 2048, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"})
+    # nf4 -> bf16: 8 KiB of codes per program, 32 output words per thread as 8 16-byte stores, rounded
+    # to nearest even, and no shared-memory shuffle between the code tile and the output tile
+    assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == 8 and not re.findall(r"st\\.global\\.b", p), "stores"
+    assert "cvt.rn.bf16.f32" in p and shared == 0, shared
+    sig = {"d_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "BS": "constexpr",
+           "NG": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
+    p, shared = ptx(T._dequant_int8_kernel, sig, {"BS": 64, "NG": 1024, "EVEN": True, "WIDE": False}, {"numel"})
+    assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == 4 and shared == 0, shared  # int8 -> bf16 likewise
+    print("ok")
+    """
+)
+
+
+def _hopper_compiler() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    ptxas = os.path.join(
+        os.path.dirname(importlib.util.find_spec("triton").origin), "backends/nvidia/bin/ptxas"
+    )
+    return os.path.exists(ptxas)
+
+
+@pytest.mark.skipif(not _hopper_compiler(), reason="triton with its bundled CUDA compiler not installed")
+def test_dequantize_kernels_vectorize_for_hopper():
+    # compiled for sm_90 without a GPU: the memory-bound kernels must keep 16-byte contiguous stores
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _HOPPER_PTX], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_split_k_fills_the_gpu_with_few_tokens(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(ops._SMS, dev, 132)  # an H100/H200's SM count, without a GPU
+    # 1 token, 5120 -> 13824 with 32-wide tiles: 432 tiles; 2 splits reach 4 programs per SM (528)
+    assert ops._split_k(dev, 13824, 5120, 16, 1, 32, 128) == 2
+    # 5120 -> 5120, 16-wide tiles of 256: 320 tiles → 2 splits; 64-wide tiles: 80 tiles → 8 splits
+    assert ops._split_k(dev, 5120, 5120, 16, 16, 16, 256) == 2
+    assert ops._split_k(dev, 5120, 5120, 16, 16, 64, 64) == 8
+    # splits must divide the K tiles (5120 / 256 = 20 tiles: at most 4) and stop at 16
+    assert ops._split_k(dev, 64, 5120, 16, 1, 64, 256) == 4
+    assert ops._split_k(dev, 64, 65536, 16, 1, 64, 64) == 16
+    assert ops._split_k(dev, 1 << 20, 5120, 16, 1, 32, 128) == 1  # enough tiles already

@@ -167,39 +167,82 @@ def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dequant_int8_kernel(d_ptr, s_ptr, out_ptr, numel, BS: tl.constexpr, BLOCK: tl.constexpr):
-    # one program: BLOCK contiguous int8 codes (block size BS may be any even number)
-    u = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B]
-    m = u < numel
-    q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
-    s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
-    tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
+def _dequant_int8_kernel(
+    d_ptr, s_ptr, out_ptr, numel, BS: tl.constexpr, NG: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr,
+):  # fmt: skip
+    # one program: NG groups of 8 contiguous int8 codes; a block size that is a multiple of 8 loads one
+    # scale per group (broadcast), any other even block size one per element. The [NG, 8] code tile and
+    # the [NG, 8] output tile share one register layout (8 codes in, 8 values out per thread)
+    pid = tl.program_id(0)
+    if WIDE:  # 2**31 elements or more: 64-bit offsets
+        pid = pid.to(tl.int64)
+    grp = pid * NG + tl.arange(0, NG)  # [NG]
+    u = grp[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NG, 8] element offsets
+    if EVEN:  # the grid tiles the codes exactly: no masks, so loads and stores stay vectorized
+        q = tl.load(d_ptr + u).to(tl.float32)
+        if BS % 8 == 0:
+            s = tl.load(s_ptr + (grp * 8) // BS)[:, None]
+        else:
+            s = tl.load(s_ptr + u // BS)
+        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty))
+    else:
+        m = u < numel
+        q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
+        if BS % 8 == 0:
+            s = tl.load(s_ptr + (grp * 8) // BS, mask=grp * 8 < numel, other=0.0)[:, None]
+        else:
+            s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
+        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _dequant_4bit_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, numel, nblocks,
-    GB: tl.constexpr, ROWS: tl.constexpr, NVFP4: tl.constexpr,
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks,
+    GB: tl.constexpr, NG: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
-    # one program: ROWS scale blocks of GB packed bytes each (ROWS * GB contiguous bytes, 16-byte
-    # loads); each block's scale is loaded once and broadcast over its 2 * GB elements
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R] scale-block ids
-    cols = tl.arange(0, GB)  # [GB]
-    boffs = rows[:, None] * GB + cols[None, :]  # [R, GB] byte offsets
-    byte = tl.load(d_ptr + boffs, mask=boffs < n_bytes, other=0).to(tl.int32)
+    # one program: NG groups of 4 contiguous packed bytes (4 * NG bytes, GB per scale block). Byte i
+    # holds elements 2i and 2i+1, so both are packed into one output word (OUT 0: bf16 pair as an
+    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word) stored at word i: the [NG, 4] byte tile
+    # and the [NG, 4] word tile share one register layout, so no shuffle sits between load and store.
+    pid = tl.program_id(0)
+    if WIDE:  # more than 2**31 bytes: 64-bit offsets
+        pid = pid.to(tl.int64)
+    grp = pid * NG + tl.arange(0, NG)  # [NG] 4-byte groups
+    boffs = grp[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NG, 4] byte (= word) offsets
+    sid = (grp * 4) // GB  # [NG] scale-block id of each group (GB % 4 == 0: a group never straddles)
+    if EVEN:  # the grid tiles the data exactly: no masks, so loads and stores stay vectorized
+        byte = tl.load(d_ptr + boffs).to(tl.int32)
+        sb = tl.load(s_ptr + sid)
+    else:
+        byte = tl.load(d_ptr + boffs, mask=boffs < n_bytes, other=0).to(tl.int32)
+        sb = tl.load(s_ptr + sid, mask=sid < nblocks, other=0)
     if NVFP4:  # e4m3 scale per 16 elements times the fp32 tensor scale; low nibble = even element
-        s = _decode_e4m3(tl.load(s_ptr + rows, mask=rows < nblocks, other=0)) * tl.load(g_ptr)
+        s = (_decode_e4m3(sb) * tl.load(g_ptr))[:, None]
         first = byte & 15
         second = byte >> 4
     else:  # nf4: fp32 absmax per block; high nibble = even element
-        s = tl.load(s_ptr + rows, mask=rows < nblocks, other=0.0)
+        s = sb[:, None]
         first = byte >> 4
         second = byte & 15
-    v0 = tl.load(tab_ptr + first) * s[:, None]  # [R, GB]
-    v1 = tl.load(tab_ptr + second) * s[:, None]
-    v = tl.reshape(tl.join(v0, v1), (ROWS, 2 * GB))  # interleave → [R, 2 * GB] elements
-    e = rows[:, None] * (2 * GB) + tl.arange(0, 2 * GB)[None, :]  # [R, 2 * GB]
-    tl.store(out_ptr + e, v.to(out_ptr.dtype.element_ty), mask=e < numel)
+    v0 = tl.load(tab_ptr + first) * s  # [NG, 4] even elements (fp32, as the reference)
+    v1 = tl.load(tab_ptr + second) * s  # [NG, 4] odd elements
+    if OUT == 2:  # fp32 pair → one 64-bit word, even element in the low half (little-endian)
+        lo = v0.to(tl.uint32, bitcast=True).to(tl.uint64)
+        w = (lo | (v1.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
+    else:  # 16-bit pair (round to nearest even, as torch) → one 32-bit word
+        if OUT == 1:
+            h0 = v0.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            h1 = v1.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            h0 = v0.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            h1 = v1.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        w = (h0 | (h1 << 16)).to(tl.int32, bitcast=True)
+    if EVEN:
+        tl.store(out_ptr + boffs, w)
+    else:
+        tl.store(out_ptr + boffs, w, mask=boffs < n_bytes)
 
 
 @triton.jit
@@ -214,8 +257,34 @@ def _dequant_fp8_kernel(d_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.co
     tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
-# bytes of packed 4-bit codes per dequantize program: 16 per thread at 8 warps
-_DEQ_BYTES, _DEQ_WARPS = 4096, 8
+# bytes of packed 4-bit codes per dequantize program: 32 per thread at 8 warps (8 coalesced 4-byte
+# loads in, 8 sixteen-byte stores of bf16 pairs out)
+_DEQ_BYTES, _DEQ_WARPS = 8192, 8
+# output dtype → (kernel OUT id, word dtype holding one byte's two elements)
+_WORDS = {
+    torch.bfloat16: (0, torch.int32),
+    torch.float16: (1, torch.int32),
+    torch.float32: (2, torch.int64),
+}
+
+
+def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype) -> torch.Tensor:
+    numel = shape[0] * shape[1]
+    n_bytes = data.numel()
+    out_id, word = _WORDS[dtype]
+    # [2 * n_bytes] elements (one of padding when numel is odd), written as n_bytes words
+    flat = torch.empty(2 * n_bytes, dtype=dtype, device=data.device)
+    gb = 8 if nvfp4 else block_size // 2  # packed bytes per scale (a power of two ≥ 8)
+    nb = scales.numel()
+    g = global_scale if nvfp4 else scales
+    tab = table("e2m1" if nvfp4 else "nf4", data.device)
+    even = n_bytes % _DEQ_BYTES == 0
+    wide = n_bytes + _DEQ_BYTES >= 2**31
+    _dequant_4bit_kernel[(triton.cdiv(n_bytes, _DEQ_BYTES),)](
+        data, scales, g, tab, flat.view(word), n_bytes, nb, gb, _DEQ_BYTES // 4, nvfp4, out_id, even, wide,
+        num_warps=_DEQ_WARPS,
+    )  # fmt: skip
+    return (flat if numel == flat.numel() else flat[:numel]).view(shape)
 
 
 def dequantize(
@@ -230,24 +299,21 @@ def dequantize(
     """Dequantize int8 / NF4 / NVFP4 / FP8 ``data`` (fp8 and e4m3 scales as uint8 views) to ``dtype``."""
     data = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
     scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    if fmt_id in (FMT_NF4, FMT_NVFP4):
+        return _dequant_4bit(fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, dtype)
     out = torch.empty(shape, dtype=dtype, device=data.device)
     numel = shape[0] * shape[1]
     if fmt_id == FMT_INT8:
-        _dequant_int8_kernel[(triton.cdiv(numel, 4096),)](data, scales, out, numel, block_size, 4096)
-    elif fmt_id == FMT_FP8:
+        blk = 8192  # codes per program: 32 per thread at 8 warps
+        even, wide = numel % blk == 0, numel + blk >= 2**31
+        _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
+            data, scales, out, numel, block_size, blk // 8, even, wide, num_warps=8
+        )
+    else:
+        assert fmt_id == FMT_FP8, fmt_id
         n, k = shape
         grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
         _dequant_fp8_kernel[grid](data, scales, out, n, k, 16, 512, num_warps=8)
-    else:
-        nvfp4 = fmt_id == FMT_NVFP4
-        gb = 8 if nvfp4 else block_size // 2  # packed bytes per scale
-        rows = max(1, _DEQ_BYTES // gb)
-        nb = scales.numel()
-        g = global_scale if nvfp4 else scales
-        tab = table("e2m1" if nvfp4 else "nf4", data.device)
-        _dequant_4bit_kernel[(triton.cdiv(nb, rows),)](
-            data, scales, g, tab, out, data.numel(), numel, nb, gb, rows, nvfp4, num_warps=_DEQ_WARPS
-        )
     return out
 
 
@@ -300,17 +366,20 @@ def _scaled(v, s_ptr, g_ptr, rn, k0, mn, K: tl.constexpr, FMT: tl.constexpr, BS:
 def _qmm_kernel(
     x_ptr, d_ptr, s_ptr, g_ptr, tab_ptr, y_ptr, M, N, stride_xm, K: tl.constexpr,
     FMT: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SMODE: tl.constexpr,
+    SMODE: tl.constexpr, KT: tl.constexpr,
 ):  # fmt: skip
-    # y[M, N] = x[M, K] @ dequant(W)[N, K]^T; K % BK == 0 and K % BS == 0 (blocks stay inside rows)
+    # y[M, N] = x[M, K] @ dequant(W)[N, K]^T; K % BK == 0 and K % BS == 0 (blocks stay inside rows).
+    # Split-K: program (n, m, s) covers K tiles [s * KT, (s + 1) * KT) and writes its fp32 partial
+    # product to y[s] (y [S, M, N]; the caller sums); with one split, y [M, N] in the output dtype.
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
+    pid_s = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)  # [BM]
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mm = rm < M
     mn = rn < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kt in range(0, K // BK):
+    for kt in range(pid_s * KT, (pid_s + 1) * KT):
         k0 = kt * BK
         rk = k0 + tl.arange(0, BK)  # [BK]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None], other=0.0)
@@ -330,6 +399,7 @@ def _qmm_kernel(
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     y = acc.to(y_ptr.dtype.element_ty)
     rn32 = pid_n * BN + tl.arange(0, BN)
+    y_ptr += pid_s.to(tl.int64) * M * N  # this split's partial product
     tl.store(y_ptr + rm[:, None] * N + rn32[None, :], y, mask=mm[:, None] & (rn32[None, :] < N))
 
 
@@ -353,52 +423,81 @@ def fused_matmul(
     block_size: int,
     config: tuple[int, ...],
 ) -> torch.Tensor:
-    """``x [M, K] @ dequant(W)^T`` in one kernel; ``config = (BM, BN, BK[, num_warps, num_stages])``."""
+    """``x [M, K] @ dequant(W)^T`` in one kernel (two with split-K).
+
+    ``config = (BM, BN, BK[, num_warps, num_stages[, split]])``: ``split`` programs share each output
+    tile's K range (more programs in flight when few tokens leave few tiles); it must divide ``K / BK``.
+    """
     m, k = x.shape
     n = shape[0]
     bm, bn, bk = config[:3]
-    launch = {"num_warps": config[3], "num_stages": config[4]} if len(config) == 5 else {}
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch = {"num_warps": config[3], "num_stages": config[4]} if len(config) >= 5 else {}
+    split = config[5] if len(config) >= 6 else 1
+    assert (k // bk) % split == 0, (k, bk, split)
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # fp32 partial products
     tab = table("e2m1" if fmt_id == FMT_NVFP4 else "nf4", x.device)
     g = global_scale if global_scale is not None else scales
     sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     smode = scale_mode(block_size, bk)
     _qmm_kernel[grid](
-        x, data, sc, g, tab, y, m, n, x.stride(0), k, fmt_id, block_size, bm, bn, bk, smode, **launch
+        x, data, sc, g, tab, y, m, n, x.stride(0), k, fmt_id, block_size, bm, bn, bk, smode,
+        k // bk // split, **launch,
+    )  # fmt: skip
+    return y if split == 1 else y.sum(0).to(x.dtype)  # [M, N]
+
+
+@triton.jit
+def _row_scale(amax, s_ptr, row, BLOCK: tl.constexpr):
+    """max(amax) / 448 (≥ 1e-12) of one row, stored at ``s_ptr[row]`` and returned as a [BLOCK] vector.
+
+    Computed identically in every lane: a vector keeps div_rn's operands fp32 tensors.
+    """
+    scale = tl.math.div_rn(
+        tl.zeros((BLOCK,), tl.float32) + tl.max(amax, 0), tl.full((BLOCK,), 448.0, tl.float32)
     )
-    return y
+    scale = tl.maximum(scale, tl.full((BLOCK,), 1e-12, tl.float32))
+    tl.store(s_ptr + row, tl.max(scale, 0))  # every lane holds the same value: one scalar store
+    return scale
 
 
 @triton.jit
 def _rows_fp8_kernel(
     x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
-    # one program per row: pass 1 finds the row's absmax (of x * c), pass 2 writes e4m3 codes
+    # one program per row: pass 1 finds the row's absmax (of x * c), pass 2 writes e4m3 codes; a row
+    # that fits one tile (K <= BLOCK) is read once and kept in registers between the two
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for kt in range(0, (K + BLOCK - 1) // BLOCK):
-        offs = kt * BLOCK + tl.arange(0, BLOCK)
+    if K <= BLOCK:
+        offs = tl.arange(0, BLOCK)
         m = offs < K
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_C:
             x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x))
-    # the scale, computed identically in every lane (a vector keeps div_rn's operands fp32 tensors)
-    scale = tl.math.div_rn(
-        tl.zeros((BLOCK,), tl.float32) + tl.max(amax, 0), tl.full((BLOCK,), 448.0, tl.float32)
-    )
-    scale = tl.maximum(scale, tl.full((BLOCK,), 1e-12, tl.float32))
-    first = tl.arange(0, BLOCK) == 0
-    tl.store(s_ptr + row + tl.arange(0, BLOCK), scale, mask=first)
-    for kt in range(0, (K + BLOCK - 1) // BLOCK):
-        offs = kt * BLOCK + tl.arange(0, BLOCK)
-        m = offs < K
-        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_C:
-            x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+        scale = _row_scale(tl.abs(x), s_ptr, row, BLOCK)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
         tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for kt in range(0, (K + BLOCK - 1) // BLOCK):
+            offs = kt * BLOCK + tl.arange(0, BLOCK)
+            m = offs < K
+            x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_C:
+                x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = _row_scale(amax, s_ptr, row, BLOCK)
+        for kt in range(0, (K + BLOCK - 1) // BLOCK):
+            offs = kt * BLOCK + tl.arange(0, BLOCK)
+            m = offs < K
+            x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_C:
+                x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
 
 
 def quantize_rows_fp8(
@@ -414,7 +513,7 @@ def quantize_rows_fp8(
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     c = col_scale.contiguous() if col_scale is not None else s
-    block = min(4096, _pow2(k))
+    block = min(8192, _pow2(k))  # rows up to 8192 wide are read once
     _rows_fp8_kernel[(t,)](
         x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=8 if block >= 2048 else 4
     )

@@ -102,15 +102,10 @@ def _quant_linear(
     n_out = n_outlier_channels(check_outliers(qw.fmt, outliers), qw.shape[1])
     fp8_grad = check_fp8_backward(qw.fmt, fp8_backward)
     # the profiler range only while a profiler records: entering one costs a dispatcher call per layer
-    with record_function("tidal::quant_linear") if _profiling() else contextlib.nullcontext():
+    with record_function("tidal::quant_linear") if ops.profiling() else contextlib.nullcontext():
         y = ops.linear_fast(x.reshape(-1, qw.shape[1]), *_op_args(qw), n_out, fp8_grad)  # [T, N]
     y = y.view(*x.shape[:-1], qw.shape[0])  # [..., N]
     return y if bias is None else y + bias.to(y.dtype)
-
-
-def _profiling() -> bool:
-    # under torch.compile the range is always traced (the query is not traceable, and costs nothing there)
-    return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
 
 
 def _op_args(qw: QuantizedWeight) -> tuple:

@@ -21,6 +21,12 @@ counts the full logits). Both phases use the same loss.
 Prints (and writes as JSON with ``--json``): median step time, the compute floor, the exposed optimizer
 time (median step − compute floor), peak VRAM above the filler, and the placement decisions.
 Goal on the H200: ≤ 0.30 s per step.
+
+Then ``--breakdown`` more steps are cut into phases, each bracketed by ``torch.cuda.synchronize()`` (so
+they do not overlap each other as in the timed steps): forward (loss included), backward, the ``step()``
+call, and the wait for the host updates still running after it (``synchronize()``). The host worker's
+own time is measured over the timed steps: the busy time of its jobs per step, of which the AdamW
+updates (with the copy back of the new weight), and the intra-op thread count inside the worker thread.
 """
 
 from __future__ import annotations
@@ -90,6 +96,58 @@ def time_steps(fn, n: int, device: torch.device) -> list[float]:
     return out
 
 
+class HostTimer:
+    """Time the host optimizer's jobs on its worker thread (``OffloadAdamW._land`` / ``_update``).
+
+    ``_land`` waits for a gradient's copy, widens it and (without clipping) runs the update
+    (``_update_now``, or ``_update`` in older builds), which runs the AdamW update and queues the new
+    weight's copy back; both are wrapped on the instance, so the optimizer's code is unchanged. Only the
+    worker thread adds to the sums.
+    """
+
+    def __init__(self, opt: object) -> None:
+        self.land_s = self.update_s = 0.0
+        self.updates = 0
+        inner = "_update_now" if hasattr(opt, "_update_now") else "_update"
+        self.active = hasattr(opt, "_land") and hasattr(opt, inner)
+        if not self.active:
+            return
+        land, update = opt._land, getattr(opt, inner)
+
+        def timed_land(*a: object) -> None:
+            t0 = time.perf_counter()
+            try:
+                land(*a)
+            finally:
+                self.land_s += time.perf_counter() - t0
+
+        def timed_update(*a: object) -> None:
+            t0 = time.perf_counter()
+            try:
+                update(*a)
+            finally:
+                self.update_s += time.perf_counter() - t0
+                self.updates += 1
+
+        opt._land = timed_land
+        setattr(opt, inner, timed_update)
+
+    def reset(self) -> None:
+        self.land_s = self.update_s = 0.0
+        self.updates = 0
+
+
+def worker_threads(opt: object) -> int | None:
+    """``torch.get_num_threads()`` as seen inside the host optimizer's worker thread."""
+    worker = getattr(opt, "_worker", None)
+    if worker is None:
+        return None
+    seen: list[int] = []
+    worker.submit(lambda: seen.append(torch.get_num_threads()))
+    worker.join()
+    return seen[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -121,6 +179,10 @@ def main() -> None:
         default=1024,
         help="chunked_cross_entropy chunk_size; 0: the model's own full-logits loss (labels=)",
     )
+    ap.add_argument(
+        "--breakdown", type=int, default=3, help="steps timed phase by phase after the timed steps"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="wrap(threads=) for the host; 0: torch's default")
     ap.add_argument("--profile", default="", help="write a Chrome trace of one step here")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
@@ -184,6 +246,8 @@ def main() -> None:
         wrap_opts["recompute"] = True
     if budget is not None:
         wrap_opts["vram_budget"] = budget
+    if args.threads:
+        wrap_opts["threads"] = args.threads
     t0 = time.perf_counter()
     model, opt = wrap(model, opt, **wrap_opts)
     wrap_s = time.perf_counter() - t0
@@ -199,9 +263,42 @@ def main() -> None:
         opt.zero_grad()
         losses.append(loss.detach())
 
+    host_timer = HostTimer(opt)
     time_steps(train_step, args.warmup, device)
+    opt.synchronize()
+    host_timer.reset()
     steps = time_steps(train_step, args.steps, device)
     opt.synchronize()
+    host_per_step = {
+        "worker_busy_s": host_timer.land_s / args.steps,
+        "host_update_s": host_timer.update_s / args.steps,
+        "host_updates_per_step": host_timer.updates / args.steps,
+    }
+    host_per_step["worker_threads"] = worker_threads(opt)
+    host_per_step["main_threads"] = torch.get_num_threads()
+    host_per_step["rollback"] = getattr(opt, "rollback", None)  # undo copies cost host bandwidth and VRAM
+
+    phases: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step_call", "step_wait")}
+    for _ in range(args.breakdown):
+        ids = make_batch(args, device, 0)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = loss_of(ids)
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.synchronize()  # the host updates still running after step() returned
+        sync(device)
+        t4 = time.perf_counter()
+        opt.zero_grad()
+        for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[k].append(dt)
+        losses.append(loss.detach())
+    breakdown = {k: statistics.median(v) for k, v in phases.items() if v}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -230,6 +327,9 @@ def main() -> None:
         "tiers": report.get("tiers"),
         "pinned_bytes": report.get("pinned_bytes"),
         "placement": [e["message"] for e in report["events"] if e["kind"] in ("placement", "plan")],
+        "phases_s_median": breakdown,
+        "host_per_step": host_per_step,
+        "weight_streaming": report.get("weight_streaming"),
     }
     plan = session_of(model).plan
     if plan is not None:  # the planner's predicted step time beside the measured one
@@ -241,6 +341,24 @@ def main() -> None:
         f"{step_med - floor_med:.3f} s; peak VRAM {peak / GiB:.2f} GiB (filler excluded); wrap {wrap_s:.1f} s; "
         f"losses {losses_f[0]:.3f} -> {losses_f[-1]:.3f}"
     )
+    if breakdown:
+        print(
+            f"phases (median of {args.breakdown}, each synchronized): "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in breakdown.items())
+            + f"; sum {sum(breakdown.values()) * 1e3:.1f} ms against the overlapped step {step_med * 1e3:.1f} ms"
+        )
+    print(
+        f"host worker per timed step: busy {host_per_step['worker_busy_s'] * 1e3:.1f} ms, of which AdamW + copy "
+        f"back {host_per_step['host_update_s'] * 1e3:.1f} ms over {host_per_step['host_updates_per_step']:.0f} "
+        f"tensors; intra-op threads: worker {host_per_step['worker_threads']}, main {host_per_step['main_threads']}; "
+        f"rollback {host_per_step['rollback']}"
+    )
+    ws = report.get("weight_streaming")
+    if ws:
+        print(
+            f"weight streaming: blocks {ws.get('streamed')}, compute waited {ws.get('stall_ms', 0.0):.1f} ms in total, "
+            f"{ws.get('demand_fetches', 0)} demand fetches"
+        )
     if "prediction" in result:
         print(result["prediction"]["summary"])
     print(f"goal <= 0.30 s per step: {'met' if step_med <= 0.30 else 'NOT met'}")

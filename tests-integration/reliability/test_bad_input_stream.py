@@ -44,6 +44,7 @@ OPTION_VALUES = {
     ),
     "offload": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
     "delayed_update": bad_bool(),
+    "rollback": bad_bool(),
     "lr": st.one_of(
         st.floats(max_value=0.0, exclude_max=True), st.just(float("nan")), junk_text, st.booleans()
     ),

@@ -204,3 +204,52 @@ def test_peft_lora_model_on_meta():
     assert c.activation_source == "meta-trace"
     name = "base_model.model.model.layers.2.mlp.down_proj.lora_A.default.weight"
     assert c.param_to_block[name] == 2
+
+
+class _StoredLinear(nn.Module):
+    """A frozen linear already held quantized, the way ``tidal_quant.QuantLinear`` holds it: packed 4-bit
+    bytes and per-64 scales as buffers, ``fmt`` naming the format, no weight Parameter."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = "nf4", k, n
+        self.register_buffer("packed", torch.randint(0, 255, (n * k // 2,), dtype=torch.uint8))
+        self.register_buffer("absmax", torch.rand(n * k // 64) + 0.5)
+        self.proj = nn.Parameter(torch.randn(n, k) * 0.1, requires_grad=False)  # dequantized stand-in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.t()  # [..., k] -> [..., n]
+
+
+class _AdaptedBlock(nn.Module):
+    def __init__(self, d: int, r: int) -> None:
+        super().__init__()
+        self.up, self.down = _StoredLinear(d, 4 * d), _StoredLinear(4 * d, d)
+        self.a = nn.Parameter(torch.randn(r, d) * 0.1)  # [r, d]
+        self.b = nn.Parameter(torch.randn(d, r) * 0.1)  # [d, r]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x))) + (x @ self.a.t()) @ self.b.t()
+
+
+def test_census_sees_linears_stored_quantized_and_plans_their_format():
+    from tidal_plan import HardwareProfile, PlanConfig, plan
+
+    d, r = 64, 4
+    model = nn.Sequential(nn.Embedding(256, d), nn.Sequential(*(_AdaptedBlock(d, r) for _ in range(3))))
+    c = census(model, blocks="1", example_inputs={"input": torch.randint(0, 256, (1, 16))})
+    b = c.blocks[0]
+    stored = 2 * 4 * d * d
+    assert (b.stored_format, b.stored_params) == ("nf4", stored)
+    assert b.stored_bytes == stored // 2 + 4 * stored // 64  # packed nibbles + fp32 absmax per 64
+    assert b.buffer_bytes == b.stored_bytes
+    assert b.quantizable_params == 0  # nothing left to quantize
+    assert {(d, 4 * d, False), (4 * d, d, False)} <= set(b.matmul_shapes)
+    assert b.matmul_params >= stored
+    assert ModelCensus.from_dict(c.to_dict()) == c
+    p = plan(c, HardwareProfile.synthetic(), PlanConfig(vram_budget="1GiB", batch_tokens=64))
+    assert all(blk.storage == "nf4" for blk in p.blocks) and p.quantize is None
+    assert "storage nf4 (as the model holds it)" in p.explain()
+    assert p.prediction.parts["dequant"] > 0  # the stored weights are dequantized for each use
+    with pytest.raises(PlanConfigError, match="already stored as nf4; leave quantize=None"):
+        plan(c, HardwareProfile.synthetic(), PlanConfig(quantize="int8", bytes_per_weight=lambda f: 1.0))

@@ -24,6 +24,7 @@ def _show(title: str, p: Plan) -> None:
 
 def _check_invariants(p: Plan, budget: int, host: int) -> None:
     assert p.tiers["vram"] <= budget
+    assert not any(b.weights == "streamed" and b.optimizer == "gpu" for b in p.blocks), p.explain()
     assert p.tiers["pinned_host"] + p.tiers["pageable_host"] <= host
     assert p.prediction.step_s >= p.prediction.compute_s > 0
     assert Plan.from_json(p.to_json()) == p
@@ -251,9 +252,12 @@ def test_host_adamw_costs_its_bytes_at_the_profiled_rate(qwen1_5b_census):
 
 def test_forced_policies(qwen14b_lora_census):
     prof = _h200("24GiB", 64 * 10**9)
-    p = plan(qwen14b_lora_census, prof, PlanConfig(param_offload=True, recompute=True, offload=False))
+    p = plan(qwen14b_lora_census, prof, PlanConfig(param_offload=True, recompute=True))
     assert len(p.streamed_blocks) == 48 and all(b.activations == "recompute" for b in p.blocks)
-    assert p.optimizer.placement == "gpu"
+    assert p.optimizer.gpu_blocks == ()  # streamed blocks update on the host
+    # every update on the GPU and every block streamed contradict each other: refused, naming both ways out
+    with pytest.raises(PlanConfigError, match=r"param_offload=True .* blocks 0-47 train.*offload='auto'"):
+        plan(qwen14b_lora_census, prof, PlanConfig(param_offload=True, offload=False))
     with pytest.raises(InfeasiblePlan, match="activation_offload=False") as e:
         plan(qwen14b_lora_census, prof, PlanConfig(activation_offload=True, param_offload=True))
     assert e.value.resource == "host_ram"
@@ -365,15 +369,20 @@ def test_zero_budget_is_an_error(qwen1_5b_census):
 def test_pcie_arithmetic_of_an_all_streamed_plan(qwen14b_lora_census):
     c = qwen14b_lora_census
     prof = _h200("24GiB", 64 * 10**9)
-    p = plan(c, prof, PlanConfig(param_offload=True, recompute=True, offload=False))
-    # GPU optimizer: adapters stay on the GPU, only the frozen base streams, in forward and again in backward.
-    streamed = sum(b.frozen_bytes + b.buffer_bytes for b in c.blocks)
-    assert p.tiers["pinned_host"] == streamed
-    assert p.prediction.transfer_s == pytest.approx(2 * streamed / 55.4e9, rel=1e-12)
-    first = c.blocks[0].frozen_bytes / 55.4e9  # the first fetch cannot overlap anything
+    p = plan(c, prof, PlanConfig(param_offload=True, recompute=True, offload=True))
+    # Streamed blocks stream every byte, adapters included (they update on the host), in forward and again
+    # in backward; the adapters' gradients land in pinned host buffers.
+    block = [b.frozen_bytes + b.trainable_bytes + b.buffer_bytes for b in c.blocks]
+    streamed, grads = sum(block), sum(b.trainable_bytes for b in c.blocks)
+    assert c.outside_trainable_bytes == 0 and grads > 0
+    assert p.tiers["pinned_host"] == streamed + grads
+    h2d, d2h = 2 * streamed, grads
+    expect = max(h2d / 55.4e9, d2h / 55.2e9, (h2d + d2h) / 94.0e9)
+    assert p.prediction.transfer_s == pytest.approx(expect, rel=1e-12)
+    first = block[0] / 55.4e9  # the first fetch cannot overlap anything
     exposed = max(0.0, p.prediction.transfer_s - p.prediction.compute_s) + first
     assert p.prediction.exposed_transfer_s == pytest.approx(exposed, rel=1e-12)
-    assert p.prediction.bound == "pcie" and p.max_inflight_bytes == 2 * c.blocks[0].frozen_bytes
+    assert p.prediction.bound == "pcie" and p.max_inflight_bytes == 2 * block[0]
 
 
 # The census fixture is immutable (cached once), so sharing it across examples is safe.

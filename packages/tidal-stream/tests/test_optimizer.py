@@ -373,3 +373,193 @@ def test_accumulation_steps_can_grow_between_steps():
     assert max_param_diff(ref, model) < 1e-6
     with pytest.raises(ValueError, match="accumulation_steps"):
         opt.accumulation_steps = 0
+
+
+def _opt_state(opt) -> dict:
+    sd = opt.state_dict()
+    return {(i, k): v.clone() for i, st in sd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class _Injected(ValueError):
+    """The failure injected into a host update."""
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_failed_host_update_rolls_back_and_raises_original(clip, moment_dtype, monkeypatch):
+    """A host update failing part-way through a step: its own exception type surfaces (no hang), weights and
+    state equal those before the step, and retrying gives the run that never failed, bit for bit."""
+    import tidal_stream.optimizer as optmod
+    from tidal_stream import OffloadAdamW
+
+    def build():
+        model = make_model()
+        opt = OffloadAdamW(
+            model.parameters(), lr=1e-2, max_grad_norm=clip, moment_dtype=moment_dtype, rollback=True
+        )
+        opt.install_read_guards(model)
+        return model, opt
+
+    def train(model, opt, steps):
+        for step in steps:
+            loss_fn(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    clean, clean_opt = build()
+    train(clean, clean_opt, range(4))
+    model, opt = build()
+    train(model, opt, range(2))
+    before_w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before_s = _opt_state(opt)
+    real, calls = optmod.adam_update, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise _Injected("injected host update failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optmod, "adam_update", failing)
+    with pytest.raises(_Injected):
+        loss_fn(model, 2).backward()
+        opt.step()
+        opt.synchronize()
+    monkeypatch.setattr(optmod, "adam_update", real)
+    assert calls[0] == 3  # two updates had run before the failure: they are the ones undone
+    opt.zero_grad()
+    opt.synchronize()
+    assert all(torch.equal(before_w[n], p) for n, p in model.named_parameters())
+    _assert_same(before_s, _opt_state(opt))
+    train(model, opt, range(2, 4))  # the next forward does not wait forever; retry, then go on
+    _assert_same(_opt_state(clean_opt), _opt_state(opt))
+    opt.close()
+    clean_opt.close()
+
+
+def test_rollback_off_keeps_partial_updates_and_no_undo_memory(monkeypatch):
+    """``rollback=False``: no undo buffers are reserved; a failure still raises and never hangs."""
+    import tidal_stream.optimizer as optmod
+    from tidal_stream import OffloadAdamW
+
+    model = make_model()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, rollback=False)
+    opt.install_read_guards(model)
+    assert not any(t.startswith("undo") for t in opt.session.host.stats()["bytes_by_tag"])
+    real, calls = optmod.adam_update, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise _Injected("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optmod, "adam_update", failing)
+    with pytest.raises(_Injected):
+        loss_fn(model, 0).backward()
+        opt.step()
+        opt.synchronize()
+    monkeypatch.setattr(optmod, "adam_update", real)
+    opt.zero_grad()
+    loss_fn(model, 1).backward()  # no hang: every waiter was released
+    opt.step()
+    opt.synchronize()
+    opt.close()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_clipped_runs_are_bit_identical_whatever_the_arrival_order(accum):
+    """With ``max_grad_norm``, the global norm is summed in parameter order: two runs give bit-identical
+    state dicts even when the gradients land in a different order, and the norm is the one
+    ``torch.nn.utils.clip_grad_norm_`` computes over the same gradients."""
+    from tidal_stream import OffloadAdamW
+
+    def run(reverse):
+        model = make_model()
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5, accumulation_steps=accum)
+        opt.install_read_guards(model)
+        norms = []
+        for step in range(4):
+            for micro in range(accum):
+                loss_fn(model, step * accum + micro).backward()
+                if reverse and micro == accum - 1:
+                    opt._landed.reverse()  # as if the gradients had arrived in another order
+                opt.step()
+                opt.zero_grad()
+            norms.append(opt.last_grad_norm)
+        opt.synchronize()
+        state = _opt_state(opt)
+        opt.close()
+        return state, norms
+
+    a, norms_a = run(False)
+    b, norms_b = run(True)
+    _assert_same(a, b)
+    assert norms_a == norms_b
+
+    # the first step's norm equals clip_grad_norm_'s (parameter order) bit for bit
+    ref = make_model()
+    for micro in range(accum):
+        loss_fn(ref, micro).backward()
+    total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert norms_a[0] == float(total)
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_undo_copy_is_bit_identical_and_restores_a_partial_update(moment_dtype, monkeypatch):
+    """``adam_update(undo=...)``: cache-blocked copy + update gives the same bits as without, and a failure
+    in a later chunk restores exactly the chunks already updated (the rest was never touched)."""
+    import tidal_stream.adam_kernels as ak
+
+    monkeypatch.setattr(ak, "_UNDO_CHUNK", 1000)
+    monkeypatch.setattr(ak, "_CHUNK", 1000)
+    hyper = ak.AdamHyper(
+        lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False
+    )
+    g = torch.Generator().manual_seed(0)
+    n = 3500  # four chunks, the last one short
+
+    def state():
+        p = torch.randn(n, generator=g)
+        m = (torch.randn(n, generator=g) * 1e-2).to(moment_dtype)
+        v = (torch.rand(n, generator=g) * 1e-3).to(moment_dtype)
+        return p, torch.randn(n, generator=g), m, v, torch.tensor(4.0)
+
+    def undo_for(m):
+        return ak.UndoCopy(torch.empty(n), torch.empty(n, dtype=m.dtype), torch.empty(n, dtype=m.dtype))
+
+    p, gr, m, v, st = state()
+    live = [t.clone() for t in (p, gr, m, v, st)]
+    undo = undo_for(m)
+    ak.adam_update(*live, hyper, torch.Generator().manual_seed(1), undo=undo)
+    ak.adam_update(p, gr, m, v, st, hyper, torch.Generator().manual_seed(1))
+    for a, b in zip((p, m, v, st), (live[0], live[2], live[3], live[4])):
+        assert torch.equal(a, b)
+    assert undo.copied == n
+
+    p, gr, m, v, st = state()
+    before = [t.clone() for t in (p, m, v)]
+    real, calls = ak._fused, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected kernel failure")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(ak, "_fused", failing)
+    undo = undo_for(m)
+    undo.master.fill_(float("nan"))  # stale contents past the copied range must never be restored
+    with pytest.raises(RuntimeError, match="injected"):
+        ak.adam_update(p, gr, m, v, st, hyper, None, undo=undo)
+    assert undo.copied == 3000 and not torch.equal(p, before[0])
+    undo.restore((p, m, v))
+    for a, b in zip((p, m, v), before):
+        assert torch.equal(a, b)

@@ -53,6 +53,14 @@ class BlockCensus:
     forward_kernels: int = 0
     """Device operations one forward of the block runs (views excluded), counted in the activation trace;
     0: unknown."""
+    stored_format: str = "exact"
+    """Format of linear weights the model already holds quantized (a module with ``fmt``,
+    ``in_features`` and ``out_features`` whose weight is not a Parameter, like ``tidal_quant.QuantLinear``);
+    the most common by elements, ``"exact"`` when none. Default ``"exact"``."""
+    stored_params: int = 0
+    """Weight elements of those already-quantized linears (their bytes are in ``buffer_bytes``); default 0."""
+    stored_bytes: int = 0
+    """Bytes of their stored weights and scales; default 0."""
 
     @property
     def param_bytes(self) -> int:
@@ -225,19 +233,60 @@ def _linear_weight_ids(module: nn.Module) -> tuple[set[int], set[int]]:
     return mats, embeds
 
 
+# Names of attention projections: query alone (its width is the query width), or q, k and v fused in one
+# linear of three equal parts (GPT-2's c_attn, a plain ``qkv``).
+_QUERY_NAMES = ("q_proj", "query", "wq")
+_FUSED_QKV_NAMES = ("qkv", "qkv_proj", "c_attn", "wqkv", "Wqkv")
+
+
+def _out_features(m: nn.Module) -> int:
+    """A linear's output features; for a wrapper (an adapter around a projection, a stored linear) the
+    widest ``out_features`` inside it; 0 if none."""
+    width = getattr(m, "out_features", None)
+    if isinstance(width, int):
+        return width
+    return max(
+        (x.out_features for x in m.modules() if isinstance(getattr(x, "out_features", None), int)), default=0
+    )
+
+
 def _attention_width(block: nn.Module) -> int:
-    """Query width of the block's attention: a ``q_proj``/``query``/``wq`` projection's output features
-    (a LoRA-wrapped one included), else an ``nn.MultiheadAttention``'s embedding size; 0 if none."""
+    """Query width of the block's attention: a ``q_proj``/``query``/``wq`` projection's output features,
+    a third of a fused ``qkv``/``c_attn`` projection's (wrapped ones included), else an
+    ``nn.MultiheadAttention``'s embedding size; 0 if none."""
     for name, m in block.named_modules():
         if isinstance(m, nn.MultiheadAttention):
             return int(m.embed_dim)
-        if name.rsplit(".", 1)[-1] in ("q_proj", "query", "wq"):
-            width = getattr(m, "out_features", None)
-            if not isinstance(width, int):  # a wrapper (an adapter around the projection): its widest linear
-                width = max((x.out_features for x in m.modules() if isinstance(x, nn.Linear)), default=0)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _QUERY_NAMES or leaf in _FUSED_QKV_NAMES:
+            width = _out_features(m) // (3 if leaf in _FUSED_QKV_NAMES else 1)
             if width:
                 return width
     return 0
+
+
+STORED_FORMATS = ("int8", "nf4", "fp8", "nvfp4")
+
+
+def _stored_linears(module: nn.Module) -> tuple[str, int, int, tuple[tuple[int, int, bool], ...]]:
+    """Linears under ``module`` that hold their weight already quantized (duck-typed: ``fmt`` names a
+    storage format, ``in_features``/``out_features`` are ints, ``weight`` is no Parameter): the most
+    common format by elements (``"exact"`` if none), their elements, bytes (buffers), and GEMM shapes."""
+    per_fmt: dict[str, int] = {}
+    n_bytes, shapes = 0, []
+    for m in module.modules():
+        fmt = str(getattr(getattr(m, "fmt", None), "value", getattr(m, "fmt", None)))
+        k, n = getattr(m, "in_features", None), getattr(m, "out_features", None)
+        if fmt not in STORED_FORMATS or not isinstance(k, int) or not isinstance(n, int):
+            continue
+        if isinstance(getattr(m, "weight", None), nn.Parameter):
+            continue
+        per_fmt[fmt] = per_fmt.get(fmt, 0) + k * n
+        n_bytes += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+        shapes.append((k, n, False))
+    if not per_fmt:
+        return "exact", 0, 0, ()
+    return max(per_fmt, key=lambda f: per_fmt[f]), sum(per_fmt.values()), n_bytes, tuple(shapes)
 
 
 def _count(params: list[nn.Parameter], mats: set[int]) -> tuple[dict[str, int], tuple]:
@@ -326,6 +375,8 @@ def census(
     block_list = []
     for i, blk in enumerate(stack):
         c, shapes = _count(per_block_params[i], mats)
+        stored_fmt, stored_params, stored_bytes, stored_shapes = _stored_linears(blk)
+        c["matmul_params"] += stored_params
         buf = sum(b.numel() * b.element_size() for b in blk.buffers())
         block_list.append(
             BlockCensus(
@@ -334,7 +385,10 @@ def census(
                 buffer_bytes=buf,
                 activation_bytes_per_token=acts[i],
                 input_bytes_per_token=inputs[i],
-                matmul_shapes=shapes,
+                matmul_shapes=shapes + stored_shapes,
+                stored_format=stored_fmt,
+                stored_params=stored_params,
+                stored_bytes=stored_bytes,
                 attention_width=_attention_width(blk),
                 forward_kernels=kernels[i],
                 **c,

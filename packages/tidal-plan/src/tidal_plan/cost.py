@@ -25,6 +25,13 @@ HIDDEN_ADAMW_WEIGHT = 0.5
 KERNEL_OVERHEAD_S = 8e-6
 # Autograd runs about two kernels per forward kernel (a gradient per input, plus the accumulations).
 BACKWARD_KERNELS_PER_FORWARD = 2.0
+# Host time eager PyTorch spends per kernel of a block (Python module code, autograd recording, the
+# backward engine, the launch), forward and backward kernels alike. A block's forward (or backward) takes
+# the longer of its GPU time and this host time: the GPU idles while the host falls behind. Calibrated on
+# the GPU machine: Qwen2 shapes of 6 and of 28 blocks (~45 M parameters a block, 2048 tokens) both ran
+# 3.75 ms per block per step, ~2.9 ms more than their GEMMs at the sustained matmul rate, across
+# 45 forward + 90 backward kernels.
+HOST_DISPATCH_S = 28e-6
 # Memory-bound work (norms, activations, residuals, rotary, casts) in HBM bytes per byte autograd saves:
 # counting the passes of a Llama/Qwen2 block (RMSNorm computed in fp32, rotary on q and k, SiLU-gated MLP,
 # two residuals) gives about 140 x hidden bytes per token read + written in forward and 2.2 times that in
@@ -55,6 +62,9 @@ CHUNKED_LOSS_BYTES_PER_HEAD_WEIGHT = 6
 # Bytes per parameter of the update the profile's host AdamW rate was measured on: fp32 weight read and
 # written, fp32 gradient read, two fp32 moments read and written.
 HOST_ADAMW_PROFILED_BYTES = 28
+# Bytes per parameter of the profile's whole host update (``host_update_params_per_s``): bf16 gradient
+# widened (2 + 4), fused AdamW on fp32 master, gradient and moments (28), new weight narrowed (4 + 2).
+HOST_UPDATE_PROFILED_BYTES = 40
 # fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
 # specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
 FP32_MATMUL_SHARE = 1 / 15
@@ -224,11 +234,17 @@ class GpuTime:
     backward_s: float
     recompute_s: float
     parts: dict[str, float]
+    head_backward_s: float = 0.0
+    """Backward before the first block's: the loss and the layers after the stack (the LM head)."""
+    block_backward_s: tuple[float, ...] = ()
+    """Backward seconds of each block (host dispatch waits and recompute included), by block index."""
 
 
 def _matmul_rate(ctx: Context) -> float:
-    """FLOP/s of the model's matmuls: the profiled bf16 rate, or its fp32 share for fp32 weights on a GPU."""
-    rate = ctx.profile.matmul_tflops * 1e12
+    """FLOP/s of the model's matmuls: the profiled bf16 rate under sustained load (the peak rate when the
+    profile has no sustained figure), or its fp32 share for fp32 weights on a GPU."""
+    prof = ctx.profile
+    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
     fp32_on_gpu = ctx.census.param_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
     return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
 
@@ -272,9 +288,13 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
     dequant = s.fmt != "exact" and not (s.fmt == "fp8" and prof.has_fp8_tensor_cores)
     bpw = float(ctx.bytes_per_weight(s.fmt)) if dequant and ctx.bytes_per_weight else 0.0
     parts = dict.fromkeys(
-        ("matmul", "attention", "elementwise", "launch", "dequant", "loss", "gpu_adamw"), 0.0
+        ("matmul", "attention", "elementwise", "launch", "dispatch", "dequant", "loss", "gpu_adamw"), 0.0
     )
     fwd_total = bwd_total = recompute = 0.0
+    block_bwd = [0.0] * len(c.blocks)
+    # A GPU runs kernels while the host dispatches the next ones: the longer of the two bounds a block's
+    # pass. A CPU stand-in runs each kernel on the dispatching thread: the two add up.
+    overlapped = prof.device_kind == "cuda"
     for b in c.blocks:
         passes = 2 if s.act[b.index] == "recompute" else 1  # recompute repeats the forward in backward
         mm_f, mm_b = _matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
@@ -283,15 +303,24 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
         other = max(0, b.forward_kernels - len(b.matmul_shapes)) * KERNEL_OVERHEAD_S
         # a stored (quantized) weight is dequantized for each use: forward, recompute, input gradient
         dq = b.quantizable_params * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0
+        if b.stored_params and not (b.stored_format == "fp8" and prof.has_fp8_tensor_cores):
+            dq += (b.stored_bytes + b.stored_params * DEQUANT_WRITE_BYTES) / hbm  # stored in the model
         f = mm_f + att + ew * ew_fwd_share + other + dq
         parts["matmul"] += mm_f * passes + mm_b
         parts["attention"] += att * (passes + ATTENTION_BACKWARD_PER_FORWARD)
         parts["elementwise"] += ew * (1 + (passes - 1) * ew_fwd_share)
         parts["launch"] += other * (passes + BACKWARD_KERNELS_PER_FORWARD)
         parts["dequant"] += dq * (passes + 1)
-        fwd_total += f
-        bwd_total += (passes - 1) * f + mm_b + att * ATTENTION_BACKWARD_PER_FORWARD
-        bwd_total += ew * (1 - ew_fwd_share) + other * BACKWARD_KERNELS_PER_FORWARD + dq
+        b_gpu = (passes - 1) * f + mm_b + att * ATTENTION_BACKWARD_PER_FORWARD
+        b_gpu += ew * (1 - ew_fwd_share) + other * BACKWARD_KERNELS_PER_FORWARD + dq
+        host_f = b.forward_kernels * HOST_DISPATCH_S  # 0 when the census could not count kernels
+        host_b = host_f * (passes - 1 + BACKWARD_KERNELS_PER_FORWARD)
+        wait_f = max(0.0, host_f - f) if overlapped else host_f
+        wait_b = max(0.0, host_b - b_gpu) if overlapped else host_b
+        parts["dispatch"] += wait_f + wait_b
+        fwd_total += f + wait_f
+        bwd_total += b_gpu + wait_b
+        block_bwd[b.index] = b_gpu + wait_b
         recompute += (passes - 1) * f
     out_frozen = c.outside_quantizable_params
     mm_f, mm_b = _matmuls_s(ctx, c.outside_matmul_shapes, c.outside_matmul_params, out_frozen)
@@ -302,12 +331,66 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
     parts["loss"] = loss
     parts["dequant"] += 2 * dq
     fwd_total += mm_f + loss * LOSS_FORWARD_SHARE + dq
-    bwd_total += mm_b + loss * (1 - LOSS_FORWARD_SHARE) + dq
+    head_bwd = mm_b + loss * (1 - LOSS_FORWARD_SHARE) + dq
+    bwd_total += head_bwd
     on_gpu = sum(b.trainable_params for b in c.blocks if s.opt_gpu[b.index])
     on_gpu += c.outside_trainable_params if s.outside_opt_gpu else 0
     parts["gpu_adamw"] = on_gpu * adamw_bytes(ctx, s.moment) / hbm
     total = fwd_total + bwd_total + parts["gpu_adamw"]
-    return GpuTime(total_s=total, backward_s=bwd_total, recompute_s=recompute, parts=parts)
+    return GpuTime(
+        total_s=total,
+        backward_s=bwd_total,
+        recompute_s=recompute,
+        parts=parts,
+        head_backward_s=head_bwd,
+        block_backward_s=tuple(block_bwd),
+    )
+
+
+def host_update_rate(ctx: Context, moment: str) -> float:
+    """Parameters per second the host updates under ``moment`` moments: the profile's whole-update rate
+    (or, without one, its fp32 fused AdamW rate) scaled by the bytes each update moves."""
+    prof, nbytes = ctx.profile, adamw_bytes(ctx, moment)
+    if prof.host_update_params_per_s:
+        return prof.host_update_params_per_s * HOST_UPDATE_PROFILED_BYTES / nbytes
+    return prof.host_adamw_params_per_s * HOST_ADAMW_PROFILED_BYTES / nbytes
+
+
+def exposed_host_update_s(ctx: Context, s: State, gpu: GpuTime, rate: float, d2h_rate: float) -> float:
+    """Seconds the host update adds to the step beyond the GPU's backward and its own AdamW.
+
+    Backward runs the LM head first, then the blocks from last to first, then the embeddings. Each
+    host-updated block's gradient crosses the link when its backward ends (one copy stream, in order);
+    the host worker updates the blocks one after another as their gradients land. The next forward needs
+    block 0 (and the embeddings) first, which land last, so it waits for the whole queue: what the
+    worker finishes after the GPU's backward and its AdamW is exposed. Blocks 0..k on the host thus
+    overlap only the backward of the blocks below them; blocks n-1.. overlap nearly all of it.
+    """
+    c = ctx.census
+    jobs: list[tuple[float, int, int]] = []  # (gradient ready on the GPU, parameters, gradient bytes)
+    t = gpu.head_backward_s
+    early = 0
+    if not s.outside_opt_gpu and c.outside_trainable_params:
+        # an untied trainable LM head gets its gradient first; tied to the embeddings it lands last
+        tied_outside = any(all(c.param_to_block.get(n) is None for n in group) for group in c.tied)
+        if not tied_outside:
+            early = min(
+                sum(k * n for k, n, trains in c.outside_matmul_shapes if trains), c.outside_trainable_params
+            )
+        if early:
+            jobs.append((t, early, early * c.param_dtype_bytes))
+    for b in reversed(c.blocks):
+        t += gpu.block_backward_s[b.index] if gpu.block_backward_s else 0.0
+        if b.trainable_params and not s.opt_gpu[b.index]:
+            jobs.append((t, b.trainable_params, b.trainable_bytes))
+    rest = 0 if s.outside_opt_gpu else c.outside_trainable_params - early
+    if rest:
+        jobs.append((gpu.backward_s, rest, rest * c.param_dtype_bytes))
+    link = done = 0.0
+    for ready, params, nbytes in jobs:
+        link = max(link, ready) + nbytes / d2h_rate  # the gradient on the host
+        done = max(done, link) + params / rate  # the worker takes the jobs in landing order
+    return max(0.0, done - (gpu.backward_s + gpu.parts["gpu_adamw"]))
 
 
 def evaluate(ctx: Context, s: State) -> Evaluation:
@@ -316,10 +399,10 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     spp = state_bytes_per_param(ctx, s.moment)
     wb = [block_weight_bytes(ctx, b, s.fmt) for b in c.blocks]
     streamed = [i for i, r in enumerate(s.resident) if not r]
-    # [Note: parameters that update on the GPU stay on the GPU; a "streamed" block whose optimizer runs
-    # on the GPU streams only its frozen part (a LoRA base), its trainable part is resident.]
-    pinned_train = [c.blocks[i].trainable_bytes if s.opt_gpu[i] else 0 for i in range(len(wb))]
-    sb = {i: wb[i] - pinned_train[i] for i in streamed}  # streamed bytes per streamed block
+    # A streamed block streams all its bytes, trainable ones included, and updates them on the host
+    # (see the planner's [Note: streamed blocks update on the host]).
+    assert not any(s.opt_gpu[i] and c.blocks[i].trainable_params for i in streamed), "streamed + GPU AdamW"
+    sb = {i: wb[i] for i in streamed}  # streamed bytes per streamed block
     max_streamed = max(sb.values(), default=0)
     window = min(ctx.depth + 1, len(streamed)) * max_streamed
     if ctx.inflight_cap is not None and streamed:
@@ -342,8 +425,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     )
     vram = {
         "outside weights": outside_weight_bytes(ctx, s.fmt),
-        "resident weights": sum(wb[i] for i, r in enumerate(s.resident) if r)
-        + sum(pinned_train[i] for i in sb),
+        "resident weights": sum(wb[i] for i, r in enumerate(s.resident) if r),
         "stream window": window,
         "gradients": sum(b.trainable_bytes for b in gpu_opt)
         + 2 * max((b.trainable_bytes for b in host_opt), default=0)
@@ -378,7 +460,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     pageable += overflow
 
     gpu = gpu_time(ctx, s)
-    compute_s, bwd_s, recompute_s = gpu.total_s, gpu.backward_s, gpu.recompute_s
+    compute_s, recompute_s = gpu.total_s, gpu.recompute_s
 
     h2d = 2 * sum(sb.values()) + offload_bytes
     h2d += sum(b.trainable_bytes for b in host_opt if s.resident[b.index])  # updated weights return
@@ -393,17 +475,9 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     exposed_transfer_s = max(0.0, transfer_s - compute_s) + min(fill_s, transfer_s)
 
     hosted = sum(b.trainable_params for b in host_opt) + (0 if s.outside_opt_gpu else out_train)
-    # The profile times torch's fused AdamW on fp32 tensors; the host update also widens 16-bit
-    # gradients and narrows the new weights, which costs in proportion to the bytes it moves.
-    adamw_rate = prof.host_adamw_params_per_s * HOST_ADAMW_PROFILED_BYTES / adamw_bytes(ctx, s.moment)
+    adamw_rate = host_update_rate(ctx, s.moment)
     host_adamw_s = hosted / adamw_rate
-    # The host starts on the first gradients backward lands and works through the rest as they arrive;
-    # the next forward needs every update (the embeddings' gradient lands last). Backward and the GPU's
-    # own update hide the host work up to their length; the updates of the last gradients (block 0,
-    # the embeddings) cannot be hidden.
-    tail = max((b.trainable_params for b in host_opt), default=0) + (0 if s.outside_opt_gpu else out_train)
-    hidden_by = bwd_s + gpu.parts["gpu_adamw"]
-    exposed_opt_s = max(host_adamw_s - hidden_by, min(host_adamw_s, tail / adamw_rate)) if hosted else 0.0
+    exposed_opt_s = exposed_host_update_s(ctx, s, gpu, adamw_rate, d2h_rate) if hosted else 0.0
     step_s = compute_s + exposed_transfer_s + exposed_opt_s
     costs = {"compute": compute_s, "pcie": transfer_s, "host_adamw": host_adamw_s}
     bound = max(costs, key=lambda k: costs[k])

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 UNLIMITED = 2**63 - 1
 """``pagelock_limit_bytes`` when ``ulimit -l`` is unlimited."""
 
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 # Fields measured by timing (cached); the rest (free memory, budget, host RAM) is read fresh every call.
 _MEASURED = (
     "h2d_gbps",
@@ -35,6 +35,8 @@ _MEASURED = (
     "host_adamw_params_per_s",
     "hbm_gbps",
 )
+# Measured where the device allows (None otherwise: a CPU stand-in has no sustained matmul figure).
+_MEASURED_OPTIONAL = ("matmul_sustained_tflops", "host_update_params_per_s")
 DEFAULT_HBM_GBPS = 4200.0
 """``hbm_gbps`` of a profile that does not give it: an H200-class device copy (read + write counted)."""
 
@@ -79,7 +81,10 @@ class HardwareProfile:
     matmul_tflops: float
     """bf16 matmul rate, TFLOP/s."""
     host_adamw_params_per_s: float
-    """torch fused CPU AdamW throughput, fp32 parameters per second, at ``host_threads`` threads."""
+    """torch fused CPU AdamW throughput on fp32 tensors in pageable memory (28 bytes a parameter),
+    parameters per second, at ``host_threads`` threads; far past the last-level cache (50 M parameters
+    quick). The host figure the machine README states; the cost model prefers
+    ``host_update_params_per_s``, the whole update as tidal-stream runs it."""
     host_threads: int
     """Threads the host AdamW rate was measured with."""
     has_fp8_tensor_cores: bool
@@ -87,11 +92,21 @@ class HardwareProfile:
     has_fp4_tensor_cores: bool
     """FP4 tensor cores (sm_100+)."""
     notes: tuple[str, ...] = field(default=())
-    """Degradations found while profiling (e.g. a rate that could not be measured), the spread of the
-    timed matmul batches, and the seconds each profiling stage took; one line each."""
+    """Degradations found while profiling (e.g. a rate that could not be measured), the peak and
+    sustained matmul rates, the host update's split between widening, AdamW and narrowing, and the
+    seconds each profiling stage took; one line each."""
     hbm_gbps: float = DEFAULT_HBM_GBPS
     """Device memory bandwidth, GB/s, bytes read plus bytes written (a device-to-device copy of N bytes
     moves 2N); default 4200 (an H200-class device); measured by :func:`profile_hardware`."""
+    matmul_sustained_tflops: float | None = None
+    """bf16 matmul rate under sustained load, TFLOP/s: the power limit lowers the clocks after a
+    fraction of a second of full load (about 12 % below ``matmul_tflops`` on the H200). Default None:
+    not measured, and the cost model takes ``matmul_tflops``."""
+    host_update_params_per_s: float | None = None
+    """Parameters per second of tidal-stream's whole host update of bf16 weights (widen the bf16
+    gradient, fused AdamW on fp32 master and moments, narrow the new weight: 40 bytes a parameter) on
+    page-locked buffers from a worker thread, at ``host_threads`` threads. Default None: not measured,
+    and the cost model scales ``host_adamw_params_per_s`` by the bytes moved (28 against 40)."""
 
     def __post_init__(self) -> None:
         if self.device_kind not in ("cuda", "cpu"):
@@ -100,8 +115,11 @@ class HardwareProfile:
             v = getattr(self, f.name)
             if f.name.endswith("_bytes") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise PlanConfigError(f.name, v, "a non-negative int of bytes", "use parse_bytes('24GiB')")
-            if f.name.endswith(("_gbps", "_tflops", "_per_s")) and not (
-                isinstance(v, (int, float)) and v > 0
+            optional = f.name in _MEASURED_OPTIONAL and v is None
+            if (
+                f.name.endswith(("_gbps", "_tflops", "_per_s"))
+                and not optional
+                and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)
             ):
                 raise PlanConfigError(f.name, v, "a positive rate")
         if self.host_threads < 1:
@@ -133,6 +151,8 @@ class HardwareProfile:
             matmul_tflops=780.0,
             host_adamw_params_per_s=4.0e9,
             hbm_gbps=DEFAULT_HBM_GBPS,
+            matmul_sustained_tflops=None,
+            host_update_params_per_s=None,
             host_threads=16,
             has_fp8_tensor_cores=True,
             has_fp4_tensor_cores=False,
@@ -184,14 +204,21 @@ class HardwareProfile:
             n for n, ok in (("fp8", self.has_fp8_tensor_cores), ("fp4", self.has_fp4_tensor_cores)) if ok
         ]
         kinds = ", ".join(cores) or ("none (CPU stand-in)" if self.device_kind == "cpu" else "bf16 only")
+        sustained = f" ({self.matmul_sustained_tflops:.4g} sustained)" if self.matmul_sustained_tflops else ""
+        update = (
+            f", whole bf16 update {self.host_update_params_per_s / 1e9:.2f} G params/s"
+            if self.host_update_params_per_s
+            else ""
+        )
         lines = [
             f"device      {self.device_name} ({self.device_kind}{cc}); low-precision tensor cores: {kinds}",
             f"memory      total {format_bytes(self.device_total_bytes)}, free {format_bytes(self.device_free_bytes)}, "
             f"allocatable {format_bytes(self.device_allocatable_bytes)}, budget {format_bytes(self.vram_budget_bytes)}",
             f"host        RAM {format_bytes(self.host_ram_bytes)}, page-lock limit {lock}, {self.host_threads} threads",
             f"link        H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f} GB/s, both {self.bidir_gbps:.1f} GB/s",
-            f"compute     bf16 matmul {self.matmul_tflops:.4g} TFLOP/s; host AdamW "
-            f"{self.host_adamw_params_per_s / 1e9:.2f} G params/s; device memory {self.hbm_gbps:.0f} GB/s",
+            f"compute     bf16 matmul {self.matmul_tflops:.4g} TFLOP/s{sustained}; device memory "
+            f"{self.hbm_gbps:.0f} GB/s",
+            f"host update fused AdamW {self.host_adamw_params_per_s / 1e9:.2f} G params/s (fp32){update}",
         ]
         lines += [f"note        {n}" for n in self.notes]
         return "\n".join(lines)
@@ -290,11 +317,12 @@ def profile_hardware(
     key = hashlib.sha1("|".join(key_parts).encode()).hexdigest()[:16]
     path = _cache_dir() / f"profile-{dev.type}-{key}.json"
 
-    rates: dict[str, float] | None = None
+    rates: dict[str, float | None] | None = None
     if not force and path.is_file():
         try:
             cached = json.loads(path.read_text())
             rates = {k: float(cached[k]) for k in _MEASURED}
+            rates.update({k: cached.get(k) for k in _MEASURED_OPTIONAL})
             notes += list(cached.get("notes", []))
         except (OSError, ValueError, KeyError) as e:
             logger.warning("ignoring unreadable profile cache %s: %s", path, e)

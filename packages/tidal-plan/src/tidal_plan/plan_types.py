@@ -123,6 +123,17 @@ class Plan:
     notes: tuple[str, ...] = ()
     """Why each non-default decision was made, one line each."""
 
+    def __post_init__(self) -> None:
+        both = [b.index for b in self.blocks if b.weights == "streamed" and b.optimizer == "gpu"]
+        if both:
+            raise PlanConfigError(
+                "Plan.blocks",
+                f"blocks {both} streamed with their optimizer on the GPU",
+                "a streamed block's trainable parameters update on the host (optimizer 'host' or 'none')",
+                "make those blocks resident or move their optimizer to the host; plans from "
+                "tidal_plan.plan() never combine the two",
+            )
+
     @property
     def streamed_blocks(self) -> tuple[int, ...]:
         """Indices of streamed blocks."""
@@ -146,8 +157,10 @@ class Plan:
             f"{', fp32 master' if o.master_weights else ''}; state on GPU {format_bytes(o.gpu_state_bytes)},"
             f" on host {format_bytes(o.host_state_bytes)}; {len(o.gpu_blocks)}/{len(self.blocks)} blocks on GPU"
         )
+        stored = sorted({b.storage for b in self.blocks} - {"exact"})
+        storage = self.quantize or (f"{'/'.join(stored)} (as the model holds it)" if stored else "exact")
         lines.append(
-            f"  weights: storage {self.quantize or 'exact'}; {len(self.streamed_blocks)} streamed, prefetch "
+            f"  weights: storage {storage}; {len(self.streamed_blocks)} streamed, prefetch "
             f"{self.prefetch_depth}, in flight <= {format_bytes(self.max_inflight_bytes)}"
         )
         lines.append("  blocks      weights   storage  activations  optimizer      bytes   act bytes")

@@ -55,7 +55,8 @@ def _share(value: object, n: int) -> set[int]:
     return set()
 
 
-def _fixed(config: PlanConfig, n: int) -> _Fixed:
+def _fixed(config: PlanConfig, census: ModelCensus) -> _Fixed:
+    n = len(census.blocks)
     for opt in ("param_offload", "recompute"):
         v = getattr(config, opt)
         if isinstance(v, (list, tuple)) and any(i >= n for i in v):
@@ -88,7 +89,34 @@ def _fixed(config: PlanConfig, n: int) -> _Fixed:
             )
         act_allowed.append(allowed)
     opt_gpu = None if config.offload == "auto" else (not config.offload)
+    if opt_gpu:
+        # [Note: streamed blocks update on the host] a streamed block's weights live in pinned host
+        # memory between uses, so its trainable parameters update there (tidal_stream refuses anything
+        # else): offload=False keeps every block that trains resident.
+        trained = [b.index for b in census.blocks if b.trainable_params]
+        forced_out = [i for i in trained if resident[i] is False]
+        if forced_out:
+            raise PlanConfigError(
+                "param_offload",
+                config.param_offload,
+                "no streamed block that trains when offload=False (every update on the GPU)",
+                f"blocks {_ranges(forced_out)} train: streamed blocks update on the host; pass offload='auto' "
+                "or offload=True to stream them, or param_offload=False",
+            )
+        for i in trained:
+            resident[i] = True
     return _Fixed(resident, act_allowed, opt_gpu)
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _minimal(n: int, fmt: str, moment: str, fx: _Fixed, act_floor: str) -> State:
@@ -97,30 +125,38 @@ def _minimal(n: int, fmt: str, moment: str, fx: _Fixed, act_floor: str) -> State
     act = [
         next((a for a in allowed if _ACT_ORDER.index(a) >= floor), allowed[-1]) for allowed in fx.act_allowed
     ]
+    resident = [r if r is not None else False for r in fx.resident]
     return State(
         fmt=fmt,
         moment=moment,
-        resident=[r if r is not None else False for r in fx.resident],
+        resident=resident,
         act=act,
-        opt_gpu=[fx.opt_gpu if fx.opt_gpu is not None else False] * n,
+        opt_gpu=[bool(fx.opt_gpu) and r for r in resident],
         outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else False,
     )
 
 
 def _maximal(n: int, fmt: str, moment: str, fx: _Fixed) -> State:
+    """Every block resident unless forced to stream, updates on the GPU where the block is resident."""
+    resident = [r if r is not None else True for r in fx.resident]
     return State(
         fmt=fmt,
         moment=moment,
-        resident=[r if r is not None else True for r in fx.resident],
+        resident=resident,
         act=[allowed[-1] for allowed in fx.act_allowed],
-        opt_gpu=[fx.opt_gpu if fx.opt_gpu is not None else True] * n,
+        opt_gpu=[(fx.opt_gpu if fx.opt_gpu is not None else True) and r for r in resident],
         outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else True,
     )
 
 
 def _moves(s: State, fx: _Fixed, census: ModelCensus) -> list[State]:
-    """The next upgrade of each kind (resident weights from the last block down, GPU optimizer likewise,
-    activation mode one step towards keep from the first block up)."""
+    """The next upgrade of each kind (resident weights from the last block down; GPU optimizer likewise,
+    for a resident block, or together with residency for a streamed one; activation mode one step towards
+    keep from the first block up).
+
+    A block's optimizer moves to the GPU only with its weights resident: a streamed block's trainable
+    parameters update on the host (see [Note: streamed blocks update on the host]).
+    """
     n = len(s.resident)
     out = []
     for i in reversed(range(n)):
@@ -131,9 +167,16 @@ def _moves(s: State, fx: _Fixed, census: ModelCensus) -> list[State]:
             break
     if fx.opt_gpu is None:
         for i in reversed(range(n)):
-            if not s.opt_gpu[i] and census.blocks[i].trainable_params:
+            if s.resident[i] and not s.opt_gpu[i] and census.blocks[i].trainable_params:
                 t = s.copy()
                 t.opt_gpu[i] = True
+                out.append(t)
+                break
+        # residency alone may not pay for itself where residency and the GPU update together do
+        for i in reversed(range(n)):
+            if not s.resident[i] and fx.resident[i] is None and census.blocks[i].trainable_params:
+                t = s.copy()
+                t.resident[i] = t.opt_gpu[i] = True
                 out.append(t)
                 break
         if not s.outside_opt_gpu:
@@ -181,11 +224,14 @@ def _formats(config: PlanConfig, census: ModelCensus, profile: HardwareProfile) 
     if q == "auto":
         return ["exact", "int8", "nf4"] if has_frozen_linear else ["exact"]
     if not has_frozen_linear:
+        stored = sorted({b.stored_format for b in census.blocks if b.stored_params})
         raise PlanConfigError(
             "quantize",
             q,
-            "None when no linear weight is frozen",
-            "quantization stores frozen weights; use LoRA",
+            "None when no linear weight is frozen in floating point",
+            f"the frozen linear weights are already stored as {'/'.join(stored)}; leave quantize=None"
+            if stored
+            else "quantization stores frozen weights; use LoRA",
         )
     if q == "fp8" and not profile.has_fp8_tensor_cores:
         raise PlanConfigError(
@@ -293,8 +339,7 @@ def plan(census: ModelCensus, profile: HardwareProfile, config: PlanConfig | Non
         )
     training = _training(config, census)
     ctx = _context(census, profile, config)
-    n = len(census.blocks)
-    fx = _fixed(config, n)
+    fx = _fixed(config, census)
     formats = _formats(config, census, profile)
     moments = ["fp32", "bf16"] if config.moment_dtype == "auto" else [config.moment_dtype]
     failures: list[tuple[str, str, str, Evaluation]] = []  # (fmt, moment, resource, evaluation)
@@ -460,15 +505,15 @@ def _build(
         }[act]
         has_frozen_linear = b.quantizable_params > 0
         wbytes = block_weight_bytes(ctx, b, s.fmt)
-        # A block whose every byte updates on the GPU has nothing to stream (see cost.evaluate).
-        stream_bytes = wbytes - (b.trainable_bytes if s.opt_gpu[b.index] else 0)
-        streamed_bytes.append(0 if s.resident[b.index] else stream_bytes)
+        streamed = not s.resident[b.index] and wbytes > 0  # a block without bytes has nothing to stream
+        streamed_bytes.append(wbytes if streamed else 0)
         blocks.append(
             BlockPlan(
                 index=b.index,
                 name=b.name,
-                weights="resident" if s.resident[b.index] or stream_bytes == 0 else "streamed",
-                storage=s.fmt if has_frozen_linear else "exact",  # type: ignore[arg-type]
+                weights="streamed" if streamed else "resident",
+                # already-quantized linears keep the format the model holds them in
+                storage=b.stored_format if b.stored_params else (s.fmt if has_frozen_linear else "exact"),  # type: ignore[arg-type]
                 activations=act,  # type: ignore[arg-type]
                 optimizer="none" if not b.trainable_params else ("gpu" if s.opt_gpu[b.index] else "host"),
                 weight_bytes=wbytes,

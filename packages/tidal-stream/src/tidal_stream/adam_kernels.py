@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdamHyper", "adam_update", "adam_update_many", "stochastic_round_"]
+__all__ = ["AdamHyper", "UndoCopy", "adam_update", "adam_update_many", "stochastic_round_"]
 
 _CHUNK = 1 << 22  # elements per widened chunk of bf16 moments (16 MiB of fp32 per moment)
+# elements per cache-blocked step when an undo copy is taken: the copy reads the chunk's master and moments
+# into the CPU caches and the update then reads them from there (3 x 1 MiB of fp32)
+_UNDO_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,34 @@ class AdamHyper:
             decoupled=bool(group.get("decoupled_weight_decay", True)),
             maximize=bool(group.get("maximize", False)),
         )
+
+
+@dataclass
+class UndoCopy:
+    """Buffers receiving a tensor's pre-update master and moments (1-D, as long as the tensor), and how far
+    the copy got: elements ``[0, copied)`` hold the old values, the rest was not touched by the update."""
+
+    master: torch.Tensor
+    """[N] fp32: the old master."""
+    exp_avg: torch.Tensor
+    """[N] moment dtype: the old first moment."""
+    exp_avg_sq: torch.Tensor
+    """[N] moment dtype: the old second moment."""
+    copied: int = 0
+    """Elements copied so far (the update has not touched any element at or past it)."""
+
+    def save(self, live: tuple[torch.Tensor, torch.Tensor, torch.Tensor], s: int, e: int) -> None:
+        """Copy elements ``[s, e)`` of the live (master, exp_avg, exp_avg_sq) before they are updated."""
+        for dst, src in zip((self.master, self.exp_avg, self.exp_avg_sq), live):
+            dst[s:e].copy_(src[s:e])
+        self.copied = e
+
+    def restore(self, live: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Write the copied elements back into the live tensors and forget them."""
+        n = self.copied
+        for dst, src in zip(live, (self.master, self.exp_avg, self.exp_avg_sq)):
+            dst.view(-1)[:n].copy_(src[:n])
+        self.copied = 0
 
 
 def _fused(
@@ -100,18 +131,30 @@ def adam_update(
     step: torch.Tensor,
     h: AdamHyper,
     generator: torch.Generator | None = None,
+    undo: UndoCopy | None = None,
 ) -> None:
     """One Adam(W) step on fp32 ``param`` in place; ``step`` (a 0-d fp32 tensor) is incremented first.
 
     Moments may be fp32 (one fused call) or bf16 (chunked widen → fused → stochastic round).
+    ``undo`` receives the old ``param`` and moments chunk by chunk, each just before the chunk is updated
+    (cache-blocked: the update reads what the copy just brought into the CPU caches; AdamW is
+    elementwise, so the result is the same bits); its ``copied`` says how far a failed update got.
     """
     step.add_(1)
-    if exp_avg.dtype == torch.float32:
-        _fused([param], [grad], [exp_avg], [exp_avg_sq], [step], h)
-        return
     p1, g1, m1, v1 = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))  # [N] each
+    if exp_avg.dtype == torch.float32:
+        if undo is None:
+            _fused([param], [grad], [exp_avg], [exp_avg_sq], [step], h)
+            return
+        for s in range(0, p1.numel(), _UNDO_CHUNK):
+            e = min(s + _UNDO_CHUNK, p1.numel())
+            undo.save((p1, m1, v1), s, e)
+            _fused([p1[s:e]], [g1[s:e]], [m1[s:e]], [v1[s:e]], [step], h)
+        return
     for s in range(0, p1.numel(), _CHUNK):
         e = min(s + _CHUNK, p1.numel())
+        if undo is not None:
+            undo.save((p1, m1, v1), s, e)
         mw, vw = m1[s:e].float(), v1[s:e].float()  # [n] widened moments
         _fused([p1[s:e]], [g1[s:e]], [mw], [vw], [step], h)
         stochastic_round_(m1[s:e], mw, generator)

@@ -22,6 +22,15 @@ step stale (as ZeRO-Offload's delayed parameter update).
 
 Parameters the plan keeps on the device ("gpu" slots) hold fp32 master + moments there and are updated in
 ``step()`` by the fused device kernel — the two ends (all-host, all-device) are the same code.
+
+[Note: failed steps] a step is all-or-nothing (see [Note: step journal] in optimizer_state.py): an
+exception in backward, in a host update or in the device update restores every parameter, moment and step
+count touched by the failed step, and the original exception is raised (a host job's failure surfaces on
+the training thread at the next gradient hook, forward guard, ``step()``, ``zero_grad()`` or
+``synchronize()``). Every wait on the worker is released on failure, so a failed step never hangs. After an
+interrupted backward, call ``zero_grad()`` (it undoes the updates that backward started) before retrying.
+Limit: with parameters on both tiers, a host failure that surfaces after ``step()`` returned (its device
+update already done) undoes the host part only.
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ from tidal_stream._adamw_common import (
     moment_dtype_of,
     run_closure,
 )
-from tidal_stream.adam_kernels import AdamHyper, adam_update, adam_update_many
+from tidal_stream.adam_kernels import AdamHyper, UndoCopy, adam_update
 from tidal_stream.errors import StreamError
 from tidal_stream.hostmem import HostRequest
+from tidal_stream.optimizer_device import DeviceUpdateMixin
 from tidal_stream.optimizer_reads import ReadGuardMixin
 from tidal_stream.optimizer_state import OffloadStateMixin
 from tidal_stream.streams import StreamEvent, record_event, stream_context
@@ -56,23 +66,6 @@ __all__ = ["OffloadAdamW"]
 log = logging.getLogger(__name__)
 
 _INFLIGHT_FLOOR = 64 * 2**20  # device gradient bytes allowed in flight to the host (at least 2 tensors)
-# fp32 gradient copies made at once by the device update (at least one tensor); tidal_plan's cost model
-# counts max(this, the largest tensor's fp32 copy) as the update's workspace
-_WIDEN_BATCH_BYTES = 256 * 2**20
-
-
-def _widen_batches(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` cut into runs whose fp32 gradient copies stay within ``_WIDEN_BATCH_BYTES``."""
-    out: list[list[nn.Parameter]] = [[]]
-    used = 0
-    for p in params:
-        cost = 0 if p.dtype == torch.float32 else 4 * p.numel()
-        if out[-1] and used + cost > _WIDEN_BATCH_BYTES:
-            out.append([])
-            used = 0
-        out[-1].append(p)
-        used += cost
-    return out
 
 
 class _Slot:
@@ -91,6 +84,10 @@ class _Slot:
         self.step = torch.zeros((), dtype=torch.float32)
         self.norm: torch.Tensor | None = None
         self.host_weight: torch.Tensor | None = None  # [N] host copy of a streamed weight (part 2)
+        # undo copy of master and moments, the step count before the update, their generation (-1: none)
+        self.undo: UndoCopy | None = None
+        self.undo_step = torch.zeros((), dtype=torch.float32)
+        self.undo_gen = -1
         self.guarded = False  # a forward of a module owning this weight has run (and waited for it)
         self.consumed: StreamEvent | None = None  # backward is done reading the device weight
         self.h2d_event: StreamEvent | None = None  # the last weight copy to the device
@@ -100,7 +97,7 @@ class _Slot:
         self.landing_free.set()
 
 
-class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
+class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.optim.Optimizer):
     """AdamW with fp32 masters, moments and gradients in host memory, updated during backward.
 
     Usually created by ``wrap()``. The loop is unchanged: ``loss.backward(); opt.step(); opt.zero_grad()``.
@@ -124,6 +121,10 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         seed: seed of the stochastic-rounding generators.
         defer_device_state: create the device-placed state later (:meth:`allocate_device_state`), once
             the weights are on the device.
+        rollback: undo a failed step exactly (see [Note: failed steps]); costs one more master and pair
+            of moments of pinned host memory per host-placed parameter, and a transient copy of the device
+            state during ``step()``. False: no undo memory; a failed step leaves the parameters it reached
+            updated.
     """
 
     #: Streamed weights are updated through their host copies (see :meth:`attach_streaming`); the
@@ -147,6 +148,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         delayed_update: bool = False,
         seed: int = 0,
         defer_device_state: bool = False,
+        rollback: bool = False,
     ) -> None:
         defaults = adamw_defaults(lr, betas, eps, weight_decay, decoupled_weight_decay, torch_switches=True)
         super().__init__(params, defaults)
@@ -165,6 +167,11 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.moment_dtype = moment
         self.delayed_update = delayed_update
+        self.rollback = rollback
+        self._gen = 0  # update generation: bumped at each update boundary (tags the undo copies)
+        self._failed_gen: int | None = None  # generation of the host job that failed
+        # per device: (generation, stochastic-rounding generator state before its first update)
+        self._rng_undo: dict[torch.device, tuple[int, torch.Tensor]] = {}
         self.last_grad_norm: float | None = None
         self._micro = 0
         self._updated_last_step = True
@@ -182,6 +189,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         # and the root module's pre-hook wait for their updates
         self._unguarded: dict[int, _Slot] = {}
         gpu_ids = {id(p) for p in gpu_params}
+        self._order: dict[int, int] = {}  # parameter -> position in param_groups (fixed reduction order)
         self._slots: dict[int, _Slot] = {}
         self._gpu: dict[int, tuple[nn.Parameter, dict]] = {}
         seen: set[int] = set()
@@ -190,6 +198,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
+                self._order[id(p)] = len(seen) - 1
                 if id(p) in gpu_ids:
                     self._gpu[id(p)] = (p, group)
                 else:
@@ -225,12 +234,20 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
                 reqs.append(HostRequest("grad_landing", p.dtype, n))
             if p.dtype != torch.float32:
                 reqs.append(HostRequest("weight_staging", p.dtype, n))
+            if self.rollback:
+                reqs += [
+                    HostRequest("undo_master", torch.float32, n),
+                    HostRequest("undo_exp_avg", self.moment_dtype, n),
+                    HostRequest("undo_exp_avg_sq", self.moment_dtype, n),
+                ]
         bufs = iter(self.session.host.reserve(reqs))
         for s in self._slots.values():
             p = s.param
             s.master, s.exp_avg, s.exp_avg_sq, s.grad = next(bufs), next(bufs), next(bufs), next(bufs)
             s.landing = next(bufs) if self._needs_landing(p) else None
             s.staging = next(bufs) if p.dtype != torch.float32 else s.master
+            if self.rollback:
+                s.undo = UndoCopy(next(bufs), next(bufs), next(bufs))
             s.master.copy_(p.detach().reshape(-1))  # device -> host once at setup
             s.exp_avg.zero_()
             s.exp_avg_sq.zero_()
@@ -301,6 +318,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         g = p.grad
         if g is None:
             return
+        self._surface_failure()  # a failed host job: undo its step and raise it here, in backward
         last = self._micro == self.accumulation_steps - 1
         direct = self._micro == 0 and s.landing is None
         target = s.grad if direct else s.landing
@@ -326,11 +344,21 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
             s.consumed = landed  # backward no longer reads this weight: the copy back may overwrite it
             if s not in self._landed:  # listed once per step, whatever happened to an earlier backward
                 self._landed.append(s)
-            if self.max_grad_norm is None and not self.delayed_update:
-                s.ready.clear()  # the update follows the landing at once, on the worker
         # hyper-parameters are read now, on the caller's thread: a scheduler may change lr before the job runs
         hyper = AdamHyper.from_group(s.group)
-        self._worker.submit(self._land, s, landed, direct, self._micro, last, hyper)
+        now = last and self.max_grad_norm is None and not self.delayed_update
+        self._submit(s, now, self._land, s, landed, direct, self._micro, last, hyper, self._gen)
+
+    def _submit(self, s: _Slot, updates: bool, fn: Any, *args: Any) -> None:
+        """Queue a worker job; ``updates``: it updates ``s``, whose readers wait until it is done.
+
+        A job queued after a failure is skipped and the worker releases every waiter then, so a reader
+        never waits for an update that will not run; the failure surfaces at the next check.
+        """
+        self._surface_failure()
+        if updates:
+            s.ready.clear()
+        self._worker.put(fn, *args)
 
     def _hold_until_landed(self, landed: StreamEvent, src: torch.Tensor, nbytes: int) -> None:
         """Keep the device gradient alive until its D2H copy is done, then let the allocator reuse it.
@@ -360,6 +388,23 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         micro: int,
         last: bool,
         hyper: AdamHyper,
+        gen: int,
+    ) -> None:
+        try:
+            self._land_now(s, landed, direct, micro, last, hyper, gen)
+        except BaseException:
+            self._failed_gen = gen  # the step whose updates the rollback undoes
+            raise
+
+    def _land_now(
+        self,
+        s: _Slot,
+        landed: StreamEvent,
+        direct: bool,
+        micro: int,
+        last: bool,
+        hyper: AdamHyper,
+        gen: int,
     ) -> None:
         with record_function("tidal::grad_land"):
             landed.synchronize()  # why: the D2H copy of this gradient must have finished
@@ -375,12 +420,20 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 s.norm = torch.linalg.vector_norm(s.grad)
             elif not self.delayed_update:
-                self._update(s, None, hyper)
+                self._update_now(s, None, hyper, gen)
 
-    def _update(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper) -> None:
+    def _update(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int) -> None:
+        try:
+            self._update_now(s, coef, hyper, gen)
+        except BaseException:
+            self._failed_gen = gen  # the step whose updates the rollback undoes
+            raise
+
+    def _update_now(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int) -> None:
         with record_function("tidal::host_adamw"):
             if s.h2d_event is not None:
                 s.h2d_event.synchronize()  # why: the previous copy back reads staging; don't overwrite it
+            undo = self._journal(s, gen)  # the update copies the old state there, chunk by chunk
             if coef is not None:
                 s.grad.mul_(coef)
             adam_update(
@@ -391,6 +444,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
                 s.step,
                 hyper,
                 self._generator(torch.device("cpu")),
+                undo=undo,
             )
             if self.delayed_update:
                 self._to_push.append(s)  # copied back in the next step()
@@ -428,23 +482,24 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
                 "OffloadAdamW.step(): this optimizer was closed by unwrap() (its host buffers are released). "
                 "Fix: wrap the model again, or save optimizer.state_dict() before unwrap() and load it."
             )
-        self._worker.check()
+        self._surface_failure()
         self._reap()
         if not advance_micro(self):
             return loss
         with record_function("tidal::step"):
             coef = self._clip_coef() if self.max_grad_norm is not None else None
             if self.delayed_update:
-                self._worker.join()  # why: step t-1's updates (run during this fwd/bwd) must be done
+                self._join()  # why: step t-1's updates (run during this fwd/bwd) must be done
                 self._push_pending()
             if self.max_grad_norm is not None or self.delayed_update:
-                # without either, each update was already queued as its gradient landed
-                for s in self._landed:
-                    if not self.delayed_update:
-                        s.ready.clear()
-                    self._worker.submit(self._update, s, coef, AdamHyper.from_group(s.group))
+                # without either, each update was already queued as its gradient landed; in parameter
+                # order, so the next forward's first blocks wait for the first updates only
+                for s in sorted(self._landed, key=lambda s: s.index):
+                    hyper = AdamHyper.from_group(s.group)
+                    self._submit(s, not self.delayed_update, self._update, s, coef, hyper, self._gen)
             self._landed = []
             self._device_update(coef)
+            self._gen += 1  # this step's updates are all queued: later undo copies belong to the next
         if self._after_first_update is not None:
             callback, self._after_first_update = self._after_first_update, None
             callback()
@@ -457,54 +512,29 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         self._to_push = []
 
     def _clip_coef(self) -> torch.Tensor:
-        """Global-norm clip coefficient, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
-        self._worker.join()  # why: the norm needs every landed gradient of this step
-        norms = [s.norm for s in self._landed if s.norm is not None]
-        dev_grads = [p.grad for p, _ in self._gpu.values() if p.grad is not None]
-        if dev_grads:
-            per_tensor = torch._foreach_norm(dev_grads)  # one launch; one device -> host copy below
-            norms += list(torch.stack([n.float() for n in per_tensor]).cpu().unbind())
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        """Global-norm clip coefficient, as ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+        Deterministic: the per-tensor norms are combined in parameter order once all have landed, not in
+        the (thread-dependent) order the gradients arrived.
+        """
+        self._join()  # why: the norm needs every landed gradient of this step
+        norms = [(s.index, s.norm) for s in self._landed if s.norm is not None]
+        dev = [(self._order[k], p.grad) for k, (p, _) in self._gpu.items() if p.grad is not None]
+        if dev:
+            per_tensor = torch._foreach_norm([g for _, g in dev])  # one launch; one device -> host copy below
+            host = torch.stack([n.float() for n in per_tensor]).cpu().unbind()
+            norms += [(i, n) for (i, _), n in zip(dev, host)]
+        norms.sort(key=lambda e: e[0])
+        total = torch.linalg.vector_norm(torch.stack([n for _, n in norms])) if norms else torch.zeros(())
         self.last_grad_norm = float(total)
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
 
-    def _device_update(self, coef: torch.Tensor | None) -> None:
-        """Fused AdamW on the device for the parameters the plan kept there, one launch per param group."""
-        if not self._gpu:
-            return
-        self.allocate_device_state()
-        with record_function("tidal::device_adamw"):
-            by_group: dict[int, tuple[dict, list[nn.Parameter]]] = {}
-            for p, group in self._gpu.values():
-                if p.grad is not None:
-                    by_group.setdefault(id(group), (group, []))[1].append(p)
-            for group, all_params in by_group.values():
-                # fp32 copies of 16-bit gradients are made a batch at a time: widening the whole device
-                # share at once would need 4 bytes per parameter more VRAM than the plan counts
-                for params in _widen_batches(all_params):
-                    states = [self.state[p] for p in params]
-                    grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
-                    if coef is not None:
-                        torch._foreach_mul_(grads, coef.to(grads[0].device))
-                    masters = [st["master"] for st in states]
-                    adam_update_many(
-                        masters,
-                        grads,
-                        [st["exp_avg"] for st in states],
-                        [st["exp_avg_sq"] for st in states],
-                        [st["step"] for st in states],
-                        AdamHyper.from_group(group),
-                        self._generator(params[0].device),
-                    )
-                    narrow = [(p, m) for p, m in zip(params, masters) if m.data_ptr() != p.data_ptr()]
-                    if narrow:
-                        # fp32 masters -> the 16-bit weights the model computes with
-                        torch._foreach_copy_([p.data for p, _ in narrow], [m for _, m in narrow])
-                    del grads
-
     def synchronize(self) -> None:
-        """Block until every queued update has run and its weight is back on the device."""
-        self._worker.join()
+        """Block until every queued update has run and its weight is back on the device.
+
+        Raises a failed host update's original exception, after undoing its step.
+        """
+        self._join()
         while self._inflight:
             self._inflight.popleft()  # the worker synchronized on every landed event already
         self._inflight_bytes = 0
@@ -523,10 +553,9 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, torch.optim.Optimizer):
         if self._updated_last_step:
             super().zero_grad(set_to_none=set_to_none)
             if self._landed:
-                self._worker.join()  # their landing jobs must finish before the slots are reset
-                for s in self._landed:
-                    s.norm = None
-                self._landed = []
+                # why: their landing (and, without clipping, update) jobs must finish before the undo
+                self._join()
+                self._rollback(self._gen)  # an interrupted backward: undo the updates it started
 
     def close(self) -> None:
         """Finish pending work, remove the gradient hooks and stop the worker (``unwrap()`` calls it)."""

@@ -42,7 +42,7 @@ class ReadGuardMixin:
         if not s.ready.is_set():
             with record_function("tidal::wait_update"):
                 s.ready.wait()  # the worker has not yet queued this weight's copy back
-            self._worker.check()
+            self._surface_failure()
         ev = s.h2d_event
         if ev is not None:
             ev.wait(compute)  # why: this forward reads the weight the H2D stream is writing
@@ -84,7 +84,7 @@ class ReadGuardMixin:
             if s is not None and not s.ready.is_set():
                 with record_function("tidal::wait_update"):
                     s.ready.wait()  # the worker is still writing this weight's host copy
-                self._worker.check()
+                self._surface_failure()
 
     def _make_guard(self, slots: list[Any]) -> Any:
         def guard(module: nn.Module, args: Any) -> None:

@@ -1,6 +1,16 @@
-"""Checkpoints and tier moves of ``OffloadAdamW``: ``torch.optim.AdamW``-compatible state dicts (plus an
-fp32 ``master`` per parameter), loading into the existing host/device buffers, and moving a parameter's
-state from the host to the device after the first step is measured.
+"""Checkpoints, tier moves and step rollback of ``OffloadAdamW``: ``torch.optim.AdamW``-compatible state
+dicts (plus an fp32 ``master`` per parameter), loading into the existing host/device buffers, moving a
+parameter's state from the host to the device after the first step is measured, and undoing a failed step.
+
+[Note: step journal] a step is all-or-nothing. Host updates run on the worker while backward still runs, so
+an interrupted backward or a failed update can leave some parameters updated: just before a slot's first
+update of a step its step count is kept and the update itself copies its master and moments into undo
+buffers reserved once at construction (pinned, beside the state: master + both moments more host memory,
+no allocation per step), chunk by chunk just before updating each chunk (cache-blocked, so the copy adds
+writes but few reads); each copy is tagged with the step's generation. A failure restores the slots tagged with the failed
+generation and copies their weights back to the device. Device-placed state is snapshotted batch by batch
+inside ``step()`` (transient device copies, freed when the device update returns). ``rollback=False``
+turns the journal off (no undo memory, no copy; a failed step then leaves the parameters it reached updated).
 """
 
 from __future__ import annotations
@@ -12,16 +22,108 @@ import torch
 from torch import nn
 
 from tidal_stream._adamw_common import match_param_groups
+from tidal_stream.adam_kernels import UndoCopy
 
 __all__ = ["OffloadStateMixin"]
+
+
+def _restore_host(s: Any) -> None:
+    """Copy a slot's undo buffers back into its state (see [Note: step journal])."""
+    s.undo.restore((s.master, s.exp_avg, s.exp_avg_sq))
+    s.step.copy_(s.undo_step)
+    s.undo_gen = -1
+
+
+class DeviceJournal:
+    """Transient copies of device-placed AdamW state taken batch by batch in ``step()``; restores on failure."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its copy)
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` (masters, moments, step counts of the next launch) before it mutates them."""
+        self._saved += [(t, t.clone()) for t in tensors]
+
+    def restore(self) -> None:
+        """Write every saved copy back, newest first."""
+        for live, copy in reversed(self._saved):
+            live.copy_(copy)
+        self._saved = []
 
 
 class OffloadStateMixin:
     """State-dict and placement methods of :class:`~tidal_stream.optimizer.OffloadAdamW`.
 
     Relies on the optimizer's ``state``, ``param_groups``, ``_slots`` (host), ``_gpu`` (device),
-    ``_handles``, ``session``, ``synchronize()`` and ``_on_grad``.
+    ``_handles``, ``_worker``, ``_landed``, ``_to_push``, ``session``, ``synchronize()``, ``_push`` and
+    ``_on_grad``.
     """
+
+    # ------------------------------------------------------------------ step journal
+    def _journal(self, s: Any, gen: int) -> UndoCopy | None:
+        """Before ``s``'s update of generation ``gen``: keep its step count (and the rounding generator's
+        state) and return the undo buffers the update copies the master and moments into, or None."""
+        if s.undo is None or s.undo_gen == gen:
+            return None
+        self._save_rng(torch.device("cpu"), gen)
+        s.undo_step.copy_(s.step)
+        s.undo.copied = 0
+        s.undo_gen = gen  # set before the update: a failure part-way restores the chunks it reached
+        return s.undo
+
+    def _save_rng(self, device: torch.device, gen: int) -> None:
+        """Keep the stochastic-rounding generator's state from before generation ``gen``'s first update
+        (so a retried step draws the same numbers); fp32 moments draw none."""
+        if not self.rollback or self.moment_dtype == torch.float32:
+            return
+        saved = self._rng_undo.get(device)
+        if saved is None or saved[0] != gen:
+            self._rng_undo[device] = (gen, self._generator(device).get_state())
+
+    def _drain_failure(self) -> BaseException | None:
+        """Wait for the worker to finish or skip its queue; take its failure (if any), rolling back."""
+        self._worker.drain()
+        err = self._worker.take_error()
+        if err is not None:
+            failed = self._failed_gen if self._failed_gen is not None else self._gen
+            self._rollback(failed)
+        return err
+
+    def _join(self) -> None:
+        """Wait for every queued host job; on a failure, undo its step and raise the original exception."""
+        err = self._drain_failure()
+        if err is not None:
+            raise err
+
+    def _surface_failure(self) -> None:
+        """Raise a host job's failure (after undoing its step) if one happened; never waits otherwise."""
+        if self._worker.error is not None:
+            self._join()
+
+    def _rollback(self, gen: int) -> None:
+        """Undo generation ``gen``'s host updates and forget the gradients of the failed step.
+
+        Call only with the worker idle (drained). Restored weights are copied back to the device.
+        """
+        self._failed_gen = None
+        for device, (saved_gen, rng) in list(self._rng_undo.items()):
+            if saved_gen == gen:
+                self._generator(device).set_state(rng)
+                del self._rng_undo[device]
+        for s in self._slots.values():
+            if s.undo_gen == gen:
+                if s.h2d_event is not None:
+                    s.h2d_event.synchronize()  # why: the last copy back reads staging; don't overwrite it
+                _restore_host(s)
+                self._push(s, None)
+            s.norm = None
+            s.ready.set()
+            s.landing_free.set()
+        self._landed = []
+        self._micro = 0
+        self._updated_last_step = True  # the next zero_grad() clears the failed step's device gradients
+
+    # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s layout (step, exp_avg, exp_avg_sq per parameter) plus an fp32 ``master``."""

@@ -123,6 +123,12 @@ class WrapOptions:
     fits); True: all optimizer state on the host; False: plain fused AdamW on the device. Default ``"auto"``."""
     delayed_update: bool = False
     """Host update of step t overlaps forward/backward of step t+1 (weights one step stale); default False."""
+    rollback: bool = False
+    """Undo a failed step exactly (parameters, masters, moments as before it); costs one more master and
+    pair of moments of pinned host memory per host-updated parameter, a copy of each before its update
+    (host AdamW time about doubles) and a transient copy of the device-placed state in ``step()``. False
+    (default): a failed step raises its own exception and never hangs, and the parameters it had already
+    updated keep their update (see docs/reliability.md)."""
     lr: float | None = None
     """Learning rate of the AdamW created when no optimizer is given (default 1e-3 then); invalid with one."""
     seed: int = 0
@@ -184,6 +190,8 @@ class WrapOptions:
             raise option_error("offload", self.offload, '"auto", True or False')
         if not isinstance(self.delayed_update, bool):
             raise option_error("delayed_update", self.delayed_update, "True or False")
+        if not isinstance(self.rollback, bool):
+            raise option_error("rollback", self.rollback, "True or False")
         if self.lr is not None and (
             isinstance(self.lr, bool)
             or not isinstance(self.lr, (int, float))

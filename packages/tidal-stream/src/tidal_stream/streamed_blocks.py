@@ -475,6 +475,13 @@ class StreamedBlocks:
             "blocks; accepted: one of blocks[i].parameters()/buffers(). Fix: pass that very tensor object."
         )
 
+    def block_of(self, tensor: torch.Tensor) -> int | None:
+        """Position (in this object's block list) of the block streaming ``tensor``, or None."""
+        for b in self._blocks:
+            if any(s.tensor is tensor for s in b.slots):
+                return b.index
+        return None
+
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True) -> Iterator[None]:
         """Fill every block on the device for the duration (e.g. a plain optimizer step).

@@ -103,6 +103,30 @@ class WeightStreamingHandle:
             self.sb.set_resident(self._pos[i], i not in new)
         self._streamed = new
 
+    def block_of(self, tensor: torch.Tensor) -> int | None:
+        """Stack index of the streamed block that owns ``tensor``, or None when it is not streamed."""
+        pos = self.sb.block_of(tensor)
+        if pos is None:
+            return None
+        i = next(i for i, k in self._pos.items() if k == pos)
+        return i if i in self._streamed else None
+
+    def block_nbytes(self, i: int) -> int:
+        """Device bytes of block ``i``'s (streamed) parameters and buffers."""
+        return self.sb.block_bytes()[self._pos[i]]
+
+    def keep_resident(self, indices: Sequence[int]) -> None:
+        """Stop streaming the blocks ``indices`` (stack indices of streamed blocks): each is filled from
+        its host copy and stays on the device from now on. Works on any handle; call between steps."""
+        for i in _check_indices("indices", indices, len(self.blocks)):
+            if i not in self._streamed:
+                raise StreamingError(
+                    f"WeightStreamingHandle.keep_resident: block {i} is not streamed; accepted: one of "
+                    f"{self._streamed}. Fix: pass streamed block indices only."
+                )
+            self.sb.set_resident(self._pos[i], True)
+            self._streamed.remove(i)
+
     def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The host copy of a streamed block's parameter/buffer, or None when it is not streamed."""
         try:
@@ -342,6 +366,21 @@ class WeightsExtension:
     def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Host copy of a streamed parameter (write updates there), or None when not streamed."""
         return self.weights.host_tensor(tensor) if self.weights is not None else None
+
+    def streamed_block_of(self, tensor: torch.Tensor) -> int | None:
+        """Stack index of the streamed block owning ``tensor``, or None when it is not streamed."""
+        return self.weights.block_of(tensor) if self.weights is not None else None
+
+    def unstream(self, indices: Sequence[int]) -> int:
+        """Keep the streamed blocks ``indices`` on the device from now on; returns their weight bytes.
+
+        The caller makes sure their host copies are current (pending host updates written) first.
+        """
+        if self.weights is None or not indices:
+            return 0
+        nbytes = sum(self.weights.block_nbytes(i) for i in indices)
+        self.weights.keep_resident(indices)
+        return nbytes
 
     def set_before_fetch(self, fn: Any) -> None:
         """``fn(block_index, tensors)`` runs before a block's host copies are read for a refill."""

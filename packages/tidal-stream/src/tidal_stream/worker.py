@@ -1,4 +1,8 @@
-"""The host worker: one thread running optimizer jobs in submission order, errors surfaced to the caller."""
+"""The host worker: one thread running optimizer jobs in submission order, errors surfaced to the caller.
+
+A job's failure is re-raised on the submitting thread as the original exception (its type stays
+catchable: a ``RuntimeError`` from a kernel is a ``RuntimeError`` for the caller), not wrapped.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,6 @@ from typing import Any
 
 import torch
 
-from tidal_stream.errors import StreamError
-
 __all__ = ["HostWorker"]
 
 log = logging.getLogger(__name__)
@@ -22,11 +24,12 @@ class HostWorker:
 
     Jobs run in submission order (the optimizer relies on it: a parameter's gradient lands before its
     update). An exception stops further jobs; it is re-raised by :meth:`check` / :meth:`join` on the
-    submitting thread, and ``on_error`` is called once so waiters can be released.
+    submitting thread, and ``on_error`` is called after it and after each job skipped because of it, so
+    waiters are released.
 
     Args:
         device: the training device (the thread makes it current, so CUDA work it issues lands there).
-        on_error: called on the worker thread after the first failure.
+        on_error: called on the worker thread after the first failure and after each skipped job.
     """
 
     def __init__(self, device: torch.device, on_error: Callable[[], None]) -> None:
@@ -52,6 +55,8 @@ class HostWorker:
                 if self.error is None:
                     fn, args = item
                     fn(*args)
+                else:
+                    self._on_error()  # a skipped job: release what its waiters wait for (never hang)
             except BaseException as e:  # surfaced on the submitting thread by check()
                 log.exception("host optimizer job failed")
                 self.error = e
@@ -65,21 +70,34 @@ class HostWorker:
         self.check()
         self._q.put((fn, args))
 
+    def put(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)`` without checking for an earlier failure (skipped if there was one)."""
+        self._q.put((fn, args))
+
     def join(self) -> None:
         """Block until every queued job has run; re-raise a job's failure."""
         self._q.join()
         self.check()
 
+    def drain(self) -> None:
+        """Block until every queued job has run or been skipped; never raises."""
+        self._q.join()
+
+    def take_error(self) -> BaseException | None:
+        """The first failure of a job, once (later jobs run again afterwards), or None."""
+        err, self.error = self.error, None
+        return err
+
     def check(self) -> None:
         """Re-raise the first failure of a job, once; later jobs run again afterwards.
 
         Jobs queued after the failure were skipped (their parameters keep their previous values and
-        state); the caller decides whether to retry the step.
+        state); the caller decides whether to retry the step. The original exception is raised, with
+        its worker-thread traceback.
         """
-        err = self.error
+        err = self.take_error()
         if err is not None:
-            self.error = None
-            raise StreamError(f"the host optimizer failed: {err!r}") from err
+            raise err
 
     def close(self) -> None:
         """Finish queued jobs and stop the thread."""

@@ -19,7 +19,7 @@ from tidal_stream.distributed import resolve_distributed, wrap_distributed
 from tidal_stream.errors import NotWrappedError, option_error
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions
-from tidal_stream.placement import decide_placement, refine_after_first_step
+from tidal_stream.placement import decide_placement, foreign_device_bytes, refine_after_first_step
 from tidal_stream.session import Session
 from tidal_stream.sharded_optimizer import ShardedHostAdamW
 
@@ -200,7 +200,6 @@ def wrap(
         return wrap_distributed(model, optimizer, opts, device, dp)
     session = Session(model, opts, device)
     groups, decoupled, trainable = _setup_training(session, model, optimizer, opts)
-    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     place = decide_placement(session, model, opts, trainable)
     moment = place.moment_dtype
     defaults = {"lr": opts.lr if opts.lr is not None else 1e-3}
@@ -216,6 +215,7 @@ def wrap(
         delayed_update=opts.delayed_update,
         seed=opts.seed,
         defer_device_state=True,
+        rollback=opts.rollback,
     )
     session.optimizer = opt
     try:
@@ -226,10 +226,10 @@ def wrap(
         raise
     if place.refine and opt.host_slots():
         torch.cuda.synchronize(device)
-        baseline = torch.cuda.memory_allocated(device)
+        foreign = foreign_device_bytes(opt, model, device)
         torch.cuda.reset_peak_memory_stats(device)
         budget = opts.vram_budget_bytes
-        opt._after_first_update = lambda: refine_after_first_step(session, opt, baseline, weights, budget)
+        opt._after_first_update = lambda: refine_after_first_step(session, opt, foreign, budget)
     setattr(model, _ATTR, session)
     session.record(
         "wrap",

@@ -23,6 +23,7 @@ for d in packages/*/tests tests-integration; do [ -d "$d" ] && targets+=("$d"); 
 summary=()
 total_start=$(date +%s)
 status=0
+: >"$out/gpu-suite.log"
 for t in "${targets[@]}"; do
   name=$(echo "$t" | sed 's#packages/##; s#/tests##')
   start=$(date +%s.%N)
@@ -44,8 +45,10 @@ PY
   # exit 5 = nothing gpu-marked in that package: not a failure
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; tail -n 30 "$parts/log-$name.txt"; fi
   summary+=("$(printf '%-18s %7s %7s %8s %8ss' "$name" "$passed" "$failed" "$skipped" "$secs")")
+  # written as each package ends, so a run cut short still leaves what finished
+  printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+  { echo "===== log-$name"; cat "$parts/log-$name.txt"; } >>"$out/gpu-suite.log"
 done
-for f in "$parts"/log-*.txt; do echo "===== $(basename "$f" .txt)"; cat "$f"; done >"$out/gpu-suite.log"
 python3 - "$out/junit.xml" "$parts"/junit-*.xml <<'PY'
 import sys, xml.etree.ElementTree as ET
 merged = ET.Element("testsuites")

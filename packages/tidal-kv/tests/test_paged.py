@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
+from tidal_kv.streams import profiled
 from tidal_testing import assert_sqnr, devices
 
 
@@ -237,3 +239,61 @@ def test_device_option_must_match_updates():
     if torch.cuda.is_available():
         with pytest.raises(KVConfigError, match="device='cpu'"):
             cache.update(1, k.cuda(), k.cuda())
+
+
+def test_bad_updates_after_the_first_are_still_refused():
+    # the decode fast path must accept only exact matches; anything else takes the full checks
+    cache = PagedKVCache(2, 16, resident_layers=1, page_tokens=4)
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(0, k, k)
+    with pytest.raises(KVConfigError, match="does not match k"):
+        cache.update(1, k, k[:, :, :2])
+    with pytest.raises(KVConfigError, match="0 new tokens"):
+        cache.update(1, k[:, :, :0], k[:, :, :0])
+    with pytest.raises(KVConfigError, match="expected a tensor"):
+        cache.update(1, k[0], k[0])
+    with pytest.raises(KVConfigError, match="call reset"):
+        cache.update(1, k.double(), k.double())
+    with pytest.raises(KVConfigError, match="call reset"):
+        cache.update(1, torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 5))
+    cache.update(1, k, k)  # and the right shape still goes through
+    assert cache.seq_length(1) == 3
+
+
+def test_profiler_ranges_appear_only_while_profiling():
+    cache = PagedKVCache(6, 32, resident_layers=2, page_tokens=4)  # 4 offloaded layers share 2 slots
+    _drive(cache, [9, 1])
+    one = torch.randn(2, 3, 1, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for layer in range(6):
+            cache.update(layer, one, one)
+    names = {e.name for e in prof.events()}
+    assert {"tidal::kv_update", "tidal::kv_prefetch", "tidal::kv_gather"} <= names
+    assert isinstance(profiled("tidal::kv_update"), contextlib.nullcontext)  # no profiler: no range cost
+
+
+@pytest.mark.gpu
+def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch):
+    cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, device="cuda")
+    k0 = torch.randn(2, 2, 70, 16, device="cuda")
+    for layer in range(6):
+        cache.update(layer, k0, k0)
+    one = torch.randn(2, 2, 1, 16, device="cuda")
+    for layer in range(6):  # one step so every slot and event exists
+        cache.update(layer, one, one)
+    torch.cuda.synchronize()
+    made = []
+    real_event = torch.cuda.Event
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: made.append(1) or real_event(*a, **kw))
+    before = (torch.cuda.memory_allocated(), cache.memory()["host_bytes"], cache.stats.gathered_on_demand)
+    for _ in range(8):  # tokens 72..79: no page fills, so no D2H flush
+        for layer in range(6):
+            cache.update(layer, one, one)
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), cache.memory()["host_bytes"], cache.stats.gathered_on_demand)
+    assert before == after
+    assert made == []
+    ref = torch.cat([k0, one.expand(2, 2, 9, 16)], dim=2)
+    for layer in range(6):
+        k, v = cache.gather(layer)
+        assert torch.equal(k, ref) and torch.equal(v, ref)

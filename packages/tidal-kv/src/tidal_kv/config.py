@@ -170,6 +170,23 @@ class KVConfig:
             )
 
 
+def same_layout(
+    k: object, v: object, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether ``k``/``v`` are plain ``[B, H, T>0, D]`` tensors of ``shape`` (B, H, D), ``dtype`` and ``device``.
+
+    The decode loop's cheap test: a True here needs no further checks; anything else goes through
+    :meth:`KVConfig.check_update` and the cache's own checks, which explain what is wrong.
+    """
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
+        return False
+    ks = k.shape
+    return (
+        (ks[0], ks[1], ks[3]) == shape and ks[2] > 0 and v.shape == ks
+        and k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
+    )  # fmt: skip
+
+
 def spread_offloaded(num_layers: int, num_offloaded: int) -> list[int]:
     """Indices of ``num_offloaded`` layers spread evenly through a stack of ``num_layers``.
 

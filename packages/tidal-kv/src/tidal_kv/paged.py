@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
-from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers
+from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
-from tidal_kv.streams import on, record, synchronize, wait
+from tidal_kv.streams import on, profiled, record, synchronize, wait
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +32,23 @@ _CHUNK_BYTES = 64 << 20  # target bytes of one host chunk / staging copy (K and 
 class _Slot:
     """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid."""
 
-    k: torch.Tensor  # [B, H, cap, D]
-    v: torch.Tensor  # [B, H, cap, D]
+    kv: torch.Tensor  # [2, B, H, cap, D]: K and V in one buffer, so one copy moves both
     owner: int | None = None
     pages: int = 0
     ready: Any = None  # event: the H2D copy into this slot finished
     free_after: Any = None  # event: the compute stream finished reading the previous owner's K/V
     prefetched_pages: int = 0
+    # long-lived events re-recorded each step (see `streams.record`): the decode loop creates none
+    ready_ev: Any = None
+    free_ev: Any = None
+
+    @property
+    def k(self) -> torch.Tensor:  # [B, H, cap, D], a view of kv
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:  # [B, H, cap, D], a view of kv
+        return self.kv[1]
 
 
 class PagedKVCache:
@@ -157,7 +166,7 @@ class PagedKVCache:
         Raises:
             KVConfigError: ``k``/``v`` do not match the cache (shape, dtype, device) or ``layer`` is out of range.
         """
-        with record_function("tidal::kv_update"):
+        with profiled("tidal::kv_update"):
             self._check_layer(layer)
             self._check_kv(k, v)
             if self._shape is None:
@@ -264,14 +273,12 @@ class PagedKVCache:
             )
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._shape is not None and same_layout(k, v, self._shape, self._dtype, self._device):
+            return  # the common decode case; after the full checks below, a mismatch is a real one
         self.config.check_update(k, v)
         if self._shape is None:
             return
         b, h, d = self._shape
-        same = (k.shape[0], k.shape[1], k.shape[3]) == (b, h, d) and k.dtype == self._dtype
-        same = same and k.device == self._device
-        if same:
-            return
         if any(self._lengths):
             raise KVConfigError(
                 f"k {tuple(k.shape)} {k.dtype} on {k.device} does not match the cached sequence "
@@ -350,7 +357,7 @@ class PagedKVCache:
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
-        self._slots = [_Slot(*self._empty_kv(self._capacity)) for _ in range(n_slots)]
+        self._slots = [_Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
         self._h2d_stage = device_chunk(self._chunk_layout, self._device)
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
@@ -358,6 +365,10 @@ class PagedKVCache:
         b, h, d = self._shape
         mk = lambda: torch.empty(b, h, cap, d, dtype=self._dtype, device=self._device)  # noqa: E731
         return mk(), mk()
+
+    def _empty_slot(self, cap: int) -> torch.Tensor:
+        b, h, d = self._shape
+        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)  # [2, B, H, cap, D]
 
     def _place(self, per_token: int) -> None:
         """Decide resident vs offloaded layers (records the decision)."""
@@ -396,7 +407,7 @@ class PagedKVCache:
             self._res_buf[layer] = (nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            self._slots = [_Slot(*self._empty_kv(new_cap)) for _ in self._slots]
+            self._slots = [_Slot(self._empty_slot(new_cap)) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -415,7 +426,8 @@ class PagedKVCache:
         """Hand back the slot returned by the previous update: its layer's attention is queued by now."""
         if self._current is not None:
             # why: a refill of this slot must wait until the compute stream finished reading it
-            self._current.free_after = record(self._compute())
+            cur = self._current
+            cur.free_after = cur.free_ev = record(self._compute(), cur.free_ev)
             self._current = None
 
     # ------------------------------------------------------------------ resident layers
@@ -452,6 +464,14 @@ class PagedKVCache:
         slot.ready = None
         tail = self._tails[layer]  # [2, B, H, P, D]
         t_old = s - full_old * p
+        if full_new == full_old:
+            # the decode case: the new tokens stay in the partial page; append them to the tail, then one
+            # copy puts the whole partial page (K and V) behind the gathered pages
+            tail[0, :, :, t_old : e - full_old * p].copy_(k)
+            tail[1, :, :, t_old : e - full_old * p].copy_(v)
+            slot.kv[:, :, :, full_old * p : e].copy_(tail[:, :, :, : e - full_old * p])
+            slot.pages = full_new
+            return slot.k[:, :, :e], slot.v[:, :, :e]
         if t_old:
             slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
             slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
@@ -460,10 +480,7 @@ class PagedKVCache:
         if full_new > full_old:
             self._flush(layer, slot, full_old, full_new)
         t_new = e - full_new * p
-        if full_new == full_old:
-            tail[0, :, :, t_old:t_new].copy_(k)
-            tail[1, :, :, t_old:t_new].copy_(v)
-        elif t_new:
+        if t_new:
             tail[0, :, :, :t_new].copy_(slot.k[:, :, full_new * p : e])
             tail[1, :, :, :t_new].copy_(slot.v[:, :, full_new * p : e])
         slot.pages = full_new
@@ -495,7 +512,7 @@ class PagedKVCache:
         if pages <= first:
             return 0
         # why: on the H2D stream, so the copy runs while the compute stream works on earlier layers
-        with record_function("tidal::kv_gather"), on(self._h2d):
+        with profiled("tidal::kv_gather"), on(self._h2d):
             wait(self._h2d, slot.free_after)  # why: the compute stream may still read the previous owner
             wait(self._h2d, self._flush_done.get(layer))  # why: these host pages may still be in flight D2H
             b, h, d = self._shape
@@ -513,22 +530,20 @@ class PagedKVCache:
                 else:
                     kv = stage.data[:m]  # [m, 2, B, H, P, D]
                 self.stats.h2d_bytes += m * (src.nbytes // cp)
-                # the slot range as [B, H, m, P, D]; the pages permute into it
-                slot.k[:, :, page * p : (page + m) * p].view(b, h, m, p, d).copy_(
-                    kv[:, 0].permute(1, 2, 0, 3, 4)
-                )
-                slot.v[:, :, page * p : (page + m) * p].view(b, h, m, p, d).copy_(
-                    kv[:, 1].permute(1, 2, 0, 3, 4)
+                # the slot range as [2, B, H, m, P, D]; the pages (K and V) permute into it in one copy
+                slot.kv[:, :, :, page * p : (page + m) * p].view(2, b, h, m, p, d).copy_(
+                    kv.permute(1, 2, 3, 0, 4, 5)
                 )
                 page += m
-            slot.ready = record(self._h2d)  # why: the compute stream waits on this before reading the slot
+            # why: the compute stream waits on this before reading the slot
+            slot.ready = slot.ready_ev = record(self._h2d, slot.ready_ev)
         slot.pages = pages
         self.stats.pages_gathered += pages - first
         return pages - first
 
     def _flush(self, layer: int, slot: _Slot, first: int, last: int) -> None:
         """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""
-        with record_function("tidal::kv_flush"):
+        with profiled("tidal::kv_flush"):
             self._ensure_host_pages(layer, last)
             b, h, d = self._shape
             p, cp = self.config.page_tokens, self._chunk_pages
@@ -572,7 +587,7 @@ class PagedKVCache:
         n_off = len(self._offloaded)
         # the first offloaded layer after `layer`, in cyclic order
         start = next((i for i, o in enumerate(self._offloaded) if o > layer), 0)
-        with record_function("tidal::kv_prefetch"):
+        with profiled("tidal::kv_prefetch"):
             for i in range(min(depth, n_off - live)):
                 nxt = self._offloaded[(start + i) % n_off]
                 if nxt == layer or nxt in self._pending:

@@ -308,6 +308,8 @@ def main() -> None:
             opt.synchronize()
         prof.export_chrome_trace(args.profile)
     peak = torch.cuda.max_memory_allocated(device) - filler_bytes if device.type == "cuda" else 0
+    # what the device really held (allocator caches and fragmentation included): must stay under the budget
+    peak_reserved = torch.cuda.max_memory_reserved(device) - filler_bytes if device.type == "cuda" else 0
     losses_f = [float(x) for x in losses]
     assert all(x == x and x < 1e4 for x in losses_f), f"non-finite loss: {losses_f}"
     report = memory_report(model)
@@ -322,6 +324,7 @@ def main() -> None:
         "compute_floor_s_median": floor_med,
         "exposed_optimizer_s": step_med - floor_med,
         "peak_vram_bytes": peak,
+        "peak_reserved_bytes": peak_reserved,
         "wrap_s": wrap_s,
         "losses": losses_f,
         "tiers": report.get("tiers"),
@@ -338,7 +341,8 @@ def main() -> None:
         print(line)
     print(
         f"step {step_med:.3f} s (median of {args.steps}); compute floor {floor_med:.3f} s; exposed optimizer "
-        f"{step_med - floor_med:.3f} s; peak VRAM {peak / GiB:.2f} GiB (filler excluded); wrap {wrap_s:.1f} s; "
+        f"{step_med - floor_med:.3f} s; peak VRAM {peak / GiB:.2f} GiB allocated, {peak_reserved / GiB:.2f} GiB "
+        f"reserved (filler excluded); wrap {wrap_s:.1f} s; "
         f"losses {losses_f[0]:.3f} -> {losses_f[-1]:.3f}"
     )
     if breakdown:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
+import types
 
 import pytest
 import torch
+from torch import nn
 
 from tidal_stream import session_of, unwrap, wrap
-from tidal_stream.placement import device_share, device_state_bytes, overlap_order, promote_to_device
+from tidal_stream.placement import (
+    device_share,
+    device_state_bytes,
+    overlap_order,
+    promote_to_device,
+    refine_after_first_step,
+    widen_workspace,
+)
 from tidal_testing import max_abs_diff
 
 HERE = pathlib.Path(__file__).parent
@@ -122,6 +131,10 @@ def test_promoted_streamed_block_trains_like_torch_adamw(part):
             assert moved == len(params) and unstreamed == [0]
             assert len(opt.host_slots()) == n_host - moved
             assert ext.weights.streamed == [1] and ext.streamed_block_of(params[0]) is None
+            ws = ext.report()["weight_streaming"]  # what memory_report() shows: block 0 did stream
+            assert ws["streamed"] == [1] and ws["streamed_ever"] == [0, 1]
+            assert [(c["stopped"], c["started"]) for c in ws["changes"]] == [([0], [])]
+            assert ws["changes"][0]["h2d_bytes_before"] > 0
             assert all(p.untyped_storage().nbytes() > 0 for p in model.blocks[0].parameters())
         for m, o in ((ref, ref_opt), (model, opt)):
             loss_fn(m, step).backward()
@@ -138,9 +151,12 @@ def test_promoted_streamed_block_trains_like_torch_adamw(part):
 
 
 @pytest.mark.gpu
-def test_gpu_measured_move_unstreams_host_blocks():
-    """Streamed host-optimizer blocks on CUDA: the first step's measurement (room for everything on the
-    real device) stops their streaming and moves their optimizer to the device; same training."""
+def test_gpu_given_plan_keeps_streaming_after_the_measured_move():
+    """A given plan with streamed host-optimizer blocks on CUDA: the first step's measurement (room for
+    everything on the real device) moves the optimizer of what does not stream to the device, the
+    streamed blocks keep streaming as the plan says; same training. (Blocks stopping streaming under a
+    plan made by wrap() are covered on the CPU: test_promoted_streamed_block_trains_like_torch_adamw and
+    the simulated refinements above.)"""
     from tidal_plan import HardwareProfile, PlanConfig, census, plan
 
     spec = importlib.util.spec_from_file_location(
@@ -179,7 +195,230 @@ def test_gpu_measured_move_unstreams_host_blocks():
         opt.step()
         opt.zero_grad()
         if step == 0:
-            assert not opt.host_slots() and ext.weights.streamed == []
+            assert ext.weights.streamed == host_blocks
+            assert all(ext.streamed_block_of(s.param) is not None for s in opt.host_slots())
     opt.synchronize()
+    ws = session_of(model).report()["weight_streaming"]
+    assert ws["streamed_ever"] == host_blocks and ws["changes"] == []
     assert ref_mod.max_param_diff(ref, model) < 1e-6
     unwrap(model)
+
+
+# ------------------------------------------------------------------ the measured refinement, CUDA simulated
+GiB, MiB = 2**30, 2**20
+
+
+class _Streaming:
+    """The weight-streaming extension as the refinement sees it: block of a tensor, block bytes, unstream."""
+
+    def __init__(self, block_of: dict[int, int], nbytes: int) -> None:
+        self._block_of, self._nbytes = block_of, nbytes
+        self.weights = self
+        self.streamed = sorted(set(block_of.values()))
+
+    def block_nbytes(self, i: int) -> int:
+        return self._nbytes
+
+    def streamed_block_of(self, t: torch.Tensor) -> int | None:
+        b = self._block_of.get(id(t))
+        return b if b in self.streamed else None
+
+    def unstream(self, indices: list[int]) -> int:
+        self.streamed = [i for i in self.streamed if i not in indices]
+        return self._nbytes * len(indices)
+
+
+class _Opt:
+    """The parts of OffloadAdamW the refinement uses, over meta parameters (no memory)."""
+
+    moment_dtype = torch.float32
+
+    def __init__(self, host: list[torch.Tensor], streamed: set[int], device: list[torch.Tensor]) -> None:
+        self._slots = {
+            id(p): types.SimpleNamespace(
+                param=p, index=i, host_weight=object() if id(p) in streamed else None
+            )
+            for i, p in enumerate(host)
+        }
+        self._gpu = {id(p): (p, {}) for p in device}
+
+    def synchronize(self) -> None:
+        pass
+
+    def host_slots(self) -> list:
+        return list(self._slots.values())
+
+    def move_to_device(self, params: list[torch.Tensor]) -> int:
+        for p in params:
+            del self._slots[id(p)]
+            self._gpu[id(p)] = (p, {})
+        return len(params)
+
+
+class _Session:
+    def __init__(self, extensions: list) -> None:
+        self.device = torch.device("cuda", 0)
+        self.extensions = extensions
+        self.events: list[tuple[str, str, dict]] = []
+        self.plan = None
+
+    def record(self, kind: str, message: str, **data) -> None:
+        self.events.append((kind, message, data))
+
+
+def _qwen15b_block() -> list[torch.Tensor]:
+    """One Qwen2.5-1.5B decoder layer's parameters, bf16 on the meta device (46.8 M, 89.3 MiB)."""
+    d, f, kv = 1536, 8960, 256
+    shapes = [(d, d), (d,), (kv, d), (kv,), (kv, d), (kv,), (d, d), (f, d), (f, d), (d, f), (d,), (d,)]
+    return [nn.Parameter(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in shapes]
+
+
+def _full15b_at_24gib(monkeypatch, peak_reserved: int, peak_alloc: int = int(20.55 * GiB)):
+    """full1.5b at a 24 GiB budget on the GPU machine after the first step: 28 blocks, the last 10 streamed
+    with their optimizer on the host, the rest on the device (fp32 moments); a filler leaves 24 GiB free;
+    the first step peaked at ``peak_alloc`` (20.55 GiB) allocated, ``peak_reserved`` reserved."""
+    blocks = [_qwen15b_block() for _ in range(28)]
+    vocab, d = 151936, 1536
+    outside = [nn.Parameter(torch.empty(vocab, d, dtype=torch.bfloat16, device="meta")) for _ in range(2)]
+    block_bytes = sum(p.numel() * p.element_size() for p in blocks[0])
+    assert abs(block_bytes / MiB - 89.3) < 0.05
+    n_all = sum(p.numel() for b in blocks for p in b) + sum(p.numel() for p in outside) + d
+    assert abs(n_all / 1e9 - 1.777) < 0.001
+    host = [p for b in blocks[18:] for p in b]
+    block_of = {id(p): 18 + k // 12 for k, p in enumerate(host)}
+    streaming = _Streaming(block_of, block_bytes)
+    opt = _Opt(host, set(block_of), [*outside, *(p for b in blocks[:18] for p in b)])
+    foreign = int(115.29 * GiB)  # the filler
+    total = foreign + 24 * GiB  # the device as the filler leaves it: exactly the budget free
+    resident = peak_alloc - 2 * GiB  # weights and device state between steps (not read by the rule)
+    cuda = {
+        "synchronize": lambda *a: None,
+        "max_memory_allocated": lambda *a: foreign + peak_alloc,
+        "memory_allocated": lambda *a: foreign + resident,
+        "max_memory_reserved": lambda *a: foreign + peak_reserved,
+        "memory_reserved": lambda *a: foreign + peak_reserved,
+        "mem_get_info": lambda *a: (total - foreign - peak_reserved, total),
+    }
+    for name, fn in cuda.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    return _Session([streaming]), opt, streaming, foreign, block_bytes
+
+
+def _block_cost(block_bytes: int) -> int:
+    return block_bytes + sum(device_state_bytes(p, 4) for p in _qwen15b_block())  # 14 B/param + weights
+
+
+def test_refinement_of_full15b_at_24gib_leaves_the_headroom(monkeypatch):
+    """The case that ran out of memory on the GPU machine. The old rule (5 % of the budget, allocated peak)
+    found 24 x 0.95 - 20.55 = 2.25 GiB of room and promoted 3 blocks (3 x 714 MiB = 2.09 GiB): 22.64 GiB
+    allocated, and the allocator's fragmentation took the rest of the 24 GiB. Now the room is what the
+    device held (reserved) under the budget less 10 % (2.4 GiB): 1.05 GiB, one block."""
+    session, opt, streaming, foreign, block_bytes = _full15b_at_24gib(monkeypatch, int(20.55 * GiB))
+    cost = _block_cost(block_bytes)
+    assert 713 * MiB < cost < 715 * MiB
+    refine_after_first_step(session, opt, foreign, 24 * GiB)
+    kind, msg, data = session.events[-1]
+    assert kind == "placement" and msg.startswith("measured first step")
+    assert data["unstreamed"] == [18] and streaming.streamed == list(range(19, 28))
+    assert data["device_bytes"] == cost  # the largest tensor on the device already sets the workspace
+    assert "blocks 18 STOP STREAMING" in msg and "blocks 19-27 keep streaming" in msg
+    # the next steps' peak, fragmentation as measured, leaves the headroom free
+    assert 20.55 * GiB + data["device_bytes"] <= 24 * GiB * 0.9
+    assert len(opt.host_slots()) == 9 * 12
+
+
+def test_refinement_counts_fragmentation_as_used(monkeypatch):
+    """The same step with 1.35 GiB of fragmentation (21.9 GiB reserved at the peak): no room, nothing moves,
+    every block keeps streaming, and the log says so."""
+    session, opt, streaming, foreign, _ = _full15b_at_24gib(monkeypatch, int(21.9 * GiB))
+    refine_after_first_step(session, opt, foreign, 24 * GiB)
+    _, msg, data = session.events[-1]
+    assert (
+        data["unstreamed"] == [] and data["device_bytes"] == 0 and streaming.streamed == list(range(18, 28))
+    )
+    assert "moved the optimizer of 0 tensors" in msg and "21.90 GiB reserved" in msg
+
+
+def test_refinement_of_a_given_plan_keeps_its_streamed_blocks(monkeypatch):
+    """plan= given: even with room for everything the streamed blocks keep streaming."""
+    session, opt, streaming, foreign, _ = _full15b_at_24gib(monkeypatch, 4 * GiB, 4 * GiB)
+    refine_after_first_step(session, opt, foreign, 24 * GiB, keep_streamed=True)
+    _, msg, data = session.events[-1]
+    assert data["unstreamed"] == [] and streaming.streamed == list(range(18, 28))
+    assert "(plan given: streamed blocks are kept)" in msg
+    # the same measurement for a plan made by wrap(): blocks stop streaming while they fit
+    session, opt, streaming, foreign, _ = _full15b_at_24gib(monkeypatch, 4 * GiB, 4 * GiB)
+    refine_after_first_step(session, opt, foreign, 24 * GiB)
+    assert session.events[-1][2]["unstreamed"] == list(range(18, 28)) and not opt.host_slots()
+
+
+def test_widen_workspace_grows_with_the_largest_moved_tensor():
+    """Moving a tensor larger than the widening batch grows the update's workspace: that counts as room."""
+    big = nn.Parameter(torch.empty(1024, 1024, 128, dtype=torch.bfloat16, device="meta"))  # 512 MiB fp32
+    small = nn.Parameter(torch.empty(1024, dtype=torch.bfloat16, device="meta"))
+    assert widen_workspace([small]) == 4096 and widen_workspace([small, big]) == 512 * MiB
+    slots = [types.SimpleNamespace(param=big, index=0, host_weight=None)]
+    need = device_state_bytes(big, 4) + 512 * MiB - 4096
+    assert device_share(slots, need - 1, 4, None, [small]) == ([], 0)
+    assert device_share(slots, need, 4, None, [small]) == ([big], need)
+
+
+# ------------------------------------------------------------------ decide_placement on a simulated CUDA device
+def test_given_plan_on_cuda_keeps_streamed_blocks_and_says_so():
+    from tidal_stream.options import WrapOptions
+    from tidal_stream.placement import decide_placement
+
+    p = _split_plan(4, host=[2, 3], streamed=[3])
+    model = tinygpt.TinyGPT(layers=4)
+    session = _Session([])
+    opts = WrapOptions.from_kwargs({"plan": p, "blocks": model.blocks})
+    trainable = [t for t in model.parameters() if t.requires_grad]
+    place = decide_placement(session, model, opts, trainable)
+    assert place.refine and place.keep_streamed
+    msgs = [m for _, m, _ in session.events]
+    assert any(
+        "plan given (plan=): followed as given; its streamed blocks 3 keep streaming" in m for m in msgs
+    )
+
+
+class _NoStack(nn.Module):
+    """One Linear, a LoRA-like adapter and a head: no block stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.adapter = nn.Sequential(nn.Linear(64, 4, bias=False), nn.Tanh())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) + self.adapter(x).sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize(("budget", "on_device"), [("1MiB", True), ("64KiB", False), (None, True)])
+def test_no_block_stack_on_cuda_has_no_plan_and_places_by_size(monkeypatch, budget, on_device):
+    from tidal_stream.options import WrapOptions
+    from tidal_stream.placement import decide_placement
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (4 * MiB, 80 * GiB))
+    model = _NoStack()
+    session = _Session([])
+    opts = WrapOptions.from_kwargs({} if budget is None else {"vram_budget": budget})
+    trainable = list(model.parameters())
+    place = decide_placement(session, model, opts, trainable)
+    assert session.plan is None
+    assert len(place.gpu_params) == (len(trainable) if on_device else 0)
+    assert place.refine is (not on_device)  # on the host: the first step's measurement moves what fits
+    msgs = [m for _, m, _ in session.events]
+    assert msgs[0].startswith("no plan: _NoStack has no block stack")
+    assert ("optimizer on the device" in msgs[1]) is on_device, msgs
+
+
+def test_no_block_stack_with_wrong_blocks_still_raises():
+    from tidal_plan import PlanConfigError
+    from tidal_stream.options import WrapOptions
+    from tidal_stream.placement import decide_placement
+
+    model = _NoStack()
+    opts = WrapOptions.from_kwargs({"blocks": "head"})
+    with pytest.raises((PlanConfigError, ValueError)):
+        decide_placement(_Session([]), model, opts, list(model.parameters()))

@@ -237,3 +237,28 @@ def test_host_copies_in_an_arena():
     sb.remove()
     assert arena.stats().used_bytes == 0
     arena.close()
+
+
+def test_reading_a_streamed_weight_between_uses_raises_a_clear_error():
+    """Between uses a streamed tensor's storage is empty: a read names it and the fix instead of crashing
+    (it read freed memory); forward/backward still work, and remove() gives plain tensors back."""
+    ref, model = make(torch.float32, "cpu")
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1)
+    w, scale = model.layers[2].up.weight, model.layers[2].scale
+    assert isinstance(w, nn.Parameter) and w.shape == (64, 32) and w.grad is None  # metadata reads work
+    for read in (lambda: w.clone(), lambda: w.sum(), lambda: repr(w), lambda: w * 2, lambda: scale + 1,
+                 lambda: copy.deepcopy(w), lambda: torch.save(w, __import__("io").BytesIO())):  # fmt: skip
+        with pytest.raises(StreamingError, match=r"block 2 Linear\.weight|block 2 Block\.scale") as e:
+            read()
+        assert "model.state_dict()" in str(e.value) and "unwrap(model)" in str(e.value)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))  # [B, T, D]
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    loss = model(x)
+    loss.backward()
+    torch.manual_seed(1)
+    assert_bitwise_equal(loss, ref(x))
+    assert w.grad is not None and w.grad.abs().sum() > 0  # gradients of streamed weights are plain tensors
+    sb.remove()
+    assert type(w) is nn.Parameter and type(model.layers[2].scale) is torch.Tensor
+    assert_bitwise_equal(w.clone(), ref.layers[2].up.weight)
+    assert_bitwise_equal(copy.deepcopy(model).layers[2].scale, ref.layers[2].scale)

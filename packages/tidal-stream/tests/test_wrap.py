@@ -339,3 +339,43 @@ def test_device_share_takes_the_earliest_parameters_that_fit():
     assert opt.move_to_device(chosen) == 3
     assert len(opt.host_slots()) == len(slots) - 3
     assert device_state_bytes(torch.zeros(10, dtype=torch.bfloat16), 2) == 10 * (4 + 2 + 4)
+
+
+def test_model_state_dict_of_streamed_weights_comes_from_their_host_copies(tmp_path):
+    """Checkpointing a wrapped model whose blocks stream: state_dict() (and torch.save of it) gives the
+    trained values from the host copies instead of reading emptied device storage; load_state_dict()
+    into it is refused with the fix; after unwrap() it loads as usual."""
+    from tidal_stream import StreamingError
+
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model = make_model()
+    model, opt = wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload=True, param_offload=True,
+        blocks=model.blocks, attention=None,
+    )  # fmt: skip
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.blocks.parameters())  # streamed now
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss_fn(m, step).backward()
+            o.step()
+            o.zero_grad()
+    sd = model.state_dict()  # no opt.synchronize() first: the state_dict does it
+    want = ref.state_dict()
+    assert sd.keys() == want.keys()
+    assert max(max_abs_diff(sd[k], want[k]) for k in want) < 1e-6
+    assert any(k.startswith("blocks.0.") for k in sd) and sd["blocks.1.linear1.weight"].abs().sum() > 0
+    torch.save(sd, tmp_path / "ckpt.pt")
+    back = torch.load(tmp_path / "ckpt.pt")
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    prefixed = torch.nn.ModuleDict({"lm": model}).state_dict()  # a wrapped model inside a bigger one
+    assert torch.equal(prefixed["lm.blocks.0.linear1.weight"], sd["blocks.0.linear1.weight"])
+    with pytest.raises(StreamingError, match=r"blocks\.0\..*Fix: load the state dict before wrap\(\)"):
+        model.load_state_dict(want)
+    with pytest.raises(
+        StreamingError, match=r"block 0 Linear\.weight: its weights stream.*Fix: read weights with"
+    ):
+        model.blocks[0].linear1.weight.clone()  # a direct read between uses: a clear error, not a crash
+    unwrap(model)
+    model.load_state_dict(back)
+    assert max(max_abs_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())) < 1e-6

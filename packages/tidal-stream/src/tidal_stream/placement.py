@@ -6,6 +6,16 @@ the host; ``offload="auto"``: ``tidal_plan.plan`` decides per block (``Plan.opti
 how much room is left, and host-placed parameters move to the device in forward order while it lasts
 (:func:`refine_after_first_step`) — the "switch to fused GPU AdamW after measuring" of the design.
 
+[Note: given plans] a plan passed as ``plan=`` was shown to (or written by) the user: its streamed blocks
+keep streaming. The measured refinement then moves only the optimizer of parameters that do not stream;
+a plan made by ``wrap()`` itself may also stop streaming blocks when they fit. Either way the decision
+log says what moved, and ``memory_report()["weight_streaming"]`` keeps every block that ever streamed.
+
+[Note: no block stack] a model without a layer stack (one Linear and a head) has nothing to plan per
+block: no plan, weights resident, and the optimizer on the device when weights, optimizer state and
+gradients take at most half of the budget (the rest is for activations), else on the host, with the
+measured refinement moving what fits (:func:`_no_plan_placement`).
+
 [Note: overlap order] backward lands the gradients of the last blocks first. A host update can only hide
 behind the backward (and, for late blocks, the next forward) that is still to run after its gradient
 lands, so a plan made by ``wrap()`` keeps the host share on the LAST trained blocks and the device share
@@ -30,11 +40,17 @@ __all__ = [
     "overlap_order",
     "promote_to_device",
     "refine_after_first_step",
+    "widen_workspace",
 ]
 
-# of the budget (or of the free memory without one), kept free after the measured refinement for
-# allocator fragmentation and workspaces the first step did not show
-_HEADROOM = 0.05
+# of the budget (or of the usable memory without one), kept free after the measured refinement for
+# fragmentation growth and workspaces the first step did not show; at least _MIN_HEADROOM bytes. 5 % was
+# too little: on the GPU machine full1.5b at 24 GiB ran out of memory in the loss backward after it
+_HEADROOM = 0.10
+_MIN_HEADROOM = 256 * 2**20
+# without a plan the optimizer goes on the device when weights + state + gradients take this share of
+# the budget at most; the rest is for activations and workspaces
+_NO_PLAN_DEVICE_SHARE = 0.5
 
 
 @dataclass
@@ -47,6 +63,8 @@ class Placement:
     """``"fp32"`` or ``"bf16"``."""
     refine: bool
     """Measure the first step and move more state to the device if it fits."""
+    keep_streamed: bool = False
+    """The refinement leaves streamed blocks streaming (a plan given as ``plan=``)."""
 
 
 def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any:
@@ -182,7 +200,14 @@ def decide_placement(
     c = None
     p = opts.plan
     if p is None:
-        c, p = _make_plan(model, opts, session.device)
+        from tidal_plan import PlanConfigError
+
+        try:
+            c, p = _make_plan(model, opts, session.device)
+        except PlanConfigError as e:
+            if opts.blocks is not None or e.option != "blocks":
+                raise  # blocks= was given and is wrong: the user must fix it
+            return _no_plan_placement(session, model, opts, trainable, moment)
         p, note = overlap_order(p)  # a plan given by the user is followed as it is
         if note is not None:
             session.record("placement", note)
@@ -204,7 +229,63 @@ def decide_placement(
         host_params=n_all - n_gpu,
         device_params=n_gpu,
     )
-    return Placement(gpu, moment, refine=session.device.type == "cuda" and n_gpu < n_all)
+    given = opts.plan is not None
+    refine = session.device.type == "cuda" and n_gpu < n_all
+    if given and p.streamed_blocks:
+        session.record(
+            "placement",
+            f"plan given (plan=): followed as given; its streamed blocks {_ranges(list(p.streamed_blocks))} "
+            "keep streaming"
+            + (
+                "; the measured refinement moves only the optimizer of weights that do not stream"
+                if refine
+                else ""
+            ),
+            streamed=list(p.streamed_blocks),
+        )
+    return Placement(gpu, moment, refine=refine, keep_streamed=given)
+
+
+def _no_plan_placement(
+    session: Any, model: nn.Module, opts: WrapOptions, trainable: list[nn.Parameter], moment: str
+) -> Placement:
+    """No block stack, so no plan: weights resident; the optimizer by size (see [Note: no block stack])."""
+    dev = session.device
+    itemsize = 2 if moment == "bf16" else 4
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    state = sum(device_state_bytes(t, itemsize) for t in trainable)
+    budget = opts.vram_budget_bytes
+    source = "the budget"
+    if budget is None:
+        free, total = torch.cuda.mem_get_info(dev)
+        held = sum(
+            t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.device == dev
+        )
+        budget, source = min(total, free + held), "the free device memory"
+    fits = weights + state <= _NO_PLAN_DEVICE_SHARE * budget
+    n_all = sum(t.numel() for t in trainable)
+    session.record(
+        "plan",
+        f"no plan: {type(model).__name__} has no block stack (a ModuleList/Sequential of >= 2 same-type "
+        "children), so there is nothing to stream or recompute per block; weights stay resident",
+    )
+    session.record(
+        "placement",
+        f"no plan: weights {weights / 2**20:.1f} MiB + optimizer state and gradients {state / 2**20:.1f} MiB "
+        + ("<=" if fits else ">")
+        + f" {_NO_PLAN_DEVICE_SHARE:.0%} of {source} ({budget / 2**20:.1f} MiB): optimizer "
+        + (
+            "on the device (plain fused AdamW)"
+            if fits
+            else "on the host; the first step's measurement moves to the device what fits"
+        ),
+        host_params=0 if fits else n_all,
+        device_params=n_all if fits else 0,
+        budget=budget,
+    )
+    if fits:
+        return Placement(list(trainable), moment, refine=False)
+    return Placement([], moment, refine=True)
 
 
 def device_state_bytes(t: torch.Tensor, moment_itemsize: int) -> int:
@@ -213,8 +294,21 @@ def device_state_bytes(t: torch.Tensor, moment_itemsize: int) -> int:
     return 2 * n * moment_itemsize + n * t.element_size() + (0 if t.dtype == torch.float32 else 4 * n)
 
 
+def widen_workspace(params: list[Any]) -> int:
+    """Device bytes of the fp32 gradient copies the device update makes at once for ``params``: batches of
+    at most ``_WIDEN_BATCH_BYTES``, each at least one tensor (``optimizer_device._widen_batches``)."""
+    from tidal_stream.optimizer_device import _WIDEN_BATCH_BYTES
+
+    sizes = [4 * t.numel() for t in params if t.dtype != torch.float32]
+    return max(min(sum(sizes), _WIDEN_BATCH_BYTES), max(sizes, default=0))
+
+
 def device_share(
-    slots: list[Any], room: float, moment_itemsize: int, streaming: Any = None
+    slots: list[Any],
+    room: float,
+    moment_itemsize: int,
+    streaming: Any = None,
+    on_device: list[Any] = (),  # type: ignore[assignment]
 ) -> tuple[list[nn.Parameter], int]:
     """Host slots to move to the device within ``room`` bytes, in forward (parameter) order.
 
@@ -222,10 +316,12 @@ def device_share(
     host updates the later ones as their gradients land first in backward. A streamed weight moves only
     with its whole block, which then stops streaming (its weight bytes count too); that needs
     ``streaming`` (the weight-streaming extension, ``streamed_block_of`` / ``block_nbytes``), without it
-    streamed weights stay.
+    streamed weights stay. The cost of a parameter is :func:`device_state_bytes` (moments, its gradient
+    kept until ``step()``, an fp32 master); the growth of the device update's widening workspace over
+    that of ``on_device`` (the parameters already updated there) is counted too.
 
     Returns:
-        The parameters and their total device bytes.
+        The parameters and their total device bytes (workspace growth included).
     """
     units: list[tuple[list[Any], int]] = []  # (slots, extra weight bytes), in forward order
     of_block: dict[int, list[Any]] = {}
@@ -241,14 +337,19 @@ def device_share(
         else:
             of_block[blk] = [s]
             units.append((of_block[blk], streaming.weights.block_nbytes(blk)))
-    chosen, total = [], 0
+    base = list(on_device)
+    ws0 = widen_workspace(base)
+    chosen: list[nn.Parameter] = []
+    fixed = 0  # state, gradients and weights of the chosen units
     for unit, extra in units:
         cost = extra + sum(device_state_bytes(s.param, moment_itemsize) for s in unit)
-        if total + cost > room:
+        params = [s.param for s in unit]
+        grow = widen_workspace(base + chosen + params) - ws0
+        if fixed + cost + grow > room:
             break
-        chosen += [s.param for s in unit]
-        total += cost
-    return chosen, total
+        chosen += params
+        fixed += cost
+    return chosen, fixed + widen_workspace(base + chosen) - ws0 if chosen else 0
 
 
 def promote_to_device(opt: Any, params: list[nn.Parameter], streaming: Any = None) -> tuple[int, list[int]]:
@@ -299,48 +400,82 @@ def foreign_device_bytes(opt: Any, model: nn.Module, device: torch.device) -> in
     return max(0, torch.cuda.memory_allocated(device) - mine - opt.memory_tiers()["device"]["bytes"])
 
 
-def refine_after_first_step(session: Any, opt: Any, foreign: int, budget: int | None) -> None:
+def refine_after_first_step(
+    session: Any, opt: Any, foreign: int, budget: int | None, keep_streamed: bool = False
+) -> None:
     """After the first update: measure the step's peak and move to the device the host share that fits.
 
-    The room is what the next steps can add to the device for good with the first step's peak still
-    fitting: under the budget (``budget`` minus ``_HEADROOM`` of it, minus this model's measured peak)
-    and under the memory actually free (minus ``_HEADROOM`` of this model's usable memory).
+    [Note: measured room] the device really holds what the caching allocator RESERVED, not what is
+    allocated: at the peak of a step the difference (fragmentation, cached blocks of other sizes) is
+    memory nobody else can use. So the measured use is the step's peak of reserved bytes (never below
+    the allocated peak), and the room is what the next steps can add for good with that use still fitting:
+
+    - under the budget: ``budget - headroom - used`` (``headroom``: ``_HEADROOM`` of the budget, at
+      least ``_MIN_HEADROOM``: fragmentation grows as the new state is carved out of the pool);
+    - under the device: the memory not reserved by anyone now, minus the same headroom of the usable
+      memory (cached-unused bytes are already part of the measured use).
+
+    A moved parameter costs its moments, fp32 master and its gradient (kept on the device until
+    ``step()``), a block that stops streaming its whole weights (as if the stream window stayed), and
+    the device update's widening workspace grows with the largest moved tensor (:func:`device_share`).
 
     Args:
         session: the wrapping session.
         opt: the ``OffloadAdamW``.
         foreign: device bytes allocated at wrap time that are not this model's
-            (:func:`foreign_device_bytes`); excluded from the measured peak.
-        budget: the VRAM budget in bytes, or None (then only the free memory bounds it).
+            (:func:`foreign_device_bytes`); excluded from the measured peaks (a filler's segment is
+            reserved exactly as it is allocated).
+        budget: the VRAM budget in bytes, or None (then only the device memory bounds it).
+        keep_streamed: leave streamed blocks streaming (a plan given as ``plan=``).
     """
     dev = session.device
     torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    allocated = torch.cuda.memory_allocated(dev)
-    # memory the caching allocator holds but does not use counts as free: it serves our allocations first
-    avail = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - allocated
-    # the next steps reach `peak` again: what stays allocated from now on must leave that much free
-    room = avail - (peak - allocated) - _HEADROOM * (avail + allocated - foreign)
-    mine = peak - foreign  # this model's peak: weights, device state, activations, gradients, workspaces
+    peak_alloc = torch.cuda.max_memory_allocated(dev) - foreign
+    peak_reserved = torch.cuda.max_memory_reserved(dev) - foreign
+    used = max(peak_alloc, peak_reserved)  # this model's peak: what the device held for it
+    reserved = torch.cuda.memory_reserved(dev)
+    unreserved = torch.cuda.mem_get_info(dev)[0]
+    usable = unreserved + reserved - foreign
+    room_dev = unreserved - (torch.cuda.max_memory_reserved(dev) - reserved) - _headroom(usable)
+    room = room_dev
     if budget is not None:
-        room = min(room, budget * (1 - _HEADROOM) - mine)
-    streaming = _streaming_of(session)
-    chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming)
+        room = min(room, budget - _headroom(budget) - used)
+    streaming = None if keep_streamed else _streaming_of(session)
+    on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
+    chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
     host_left = sum(s.param.numel() for s in opt.host_slots())
+    streamed_left = [] if _streaming_of(session) is None else _streaming_of(session).weights.streamed
+    headroom = _headroom(budget) if budget is not None else _headroom(usable)
     session.record(
         "placement",
-        f"measured first step: peak {mine / 2**30:.2f} GiB"
+        f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
         + (f" of a {budget / 2**30:.2f} GiB budget" if budget is not None else "")
-        + f", room {max(0.0, room) / 2**30:.2f} GiB after {_HEADROOM:.0%} headroom; moved the optimizer of "
-        f"{moved} tensors ({total / 2**30:.2f} GiB) to the device"
-        + (f", blocks {_ranges(unstreamed)} no longer stream" if unstreamed else "")
+        + f"; room {max(0.0, room) / 2**30:.2f} GiB after {headroom / 2**30:.2f} GiB headroom; moved the "
+        f"optimizer of {moved} tensors ({total / 2**30:.2f} GiB with gradients and workspace) to the device"
+        + (
+            f"; blocks {_ranges(unstreamed)} STOP STREAMING (their weights stay on the device)"
+            if unstreamed
+            else ""
+        )
+        + (
+            f"; blocks {_ranges(streamed_left)} keep streaming"
+            + (" (plan given: streamed blocks are kept)" if keep_streamed else "")
+            if streamed_left
+            else ""
+        )
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)"),
-        peak=mine,
+        peak=peak_alloc,
+        peak_reserved=used,
         room=room,
         budget=budget,
         device_bytes=total,
         unstreamed=unstreamed,
+        streamed=streamed_left,
         host_params=host_left,
     )
+
+
+def _headroom(nbytes: int) -> int:
+    return max(int(_HEADROOM * nbytes), _MIN_HEADROOM)

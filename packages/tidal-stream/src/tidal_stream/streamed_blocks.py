@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tidal_stream._empty_guard import guard, unguard
 from tidal_stream._host_buffers import HostBuffers
 from tidal_stream.errors import StreamError
 from tidal_stream.streams import NullStream, StreamEvent, device_streams, record_event, stream_context
@@ -265,6 +266,7 @@ class StreamedBlocks:
             tensor = dev
         nbytes = dev.untyped_storage().nbytes()
         dev.untyped_storage().resize_(0)
+        guard(tensor, f"block {i} {type(owner).__name__}.{name}")  # a clear error on reads between uses
         return _Slot(tensor, host, nbytes, bool(is_param and t.requires_grad))
 
     # ----------------------------------------------------------------------------------- residency
@@ -561,4 +563,6 @@ class StreamedBlocks:
         # why: host buffers may be reused only after the last H2D copy out of them has finished
         self.host.free_all(after=record_event(self.streams.h2d))
         for b in self._blocks:
+            for s in b.slots:
+                unguard(s.tensor)
             b.slots.clear()

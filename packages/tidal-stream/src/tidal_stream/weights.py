@@ -85,6 +85,8 @@ class WeightStreamingHandle:
         # position in the StreamedBlocks list of each stack index it covers
         self._pos = {i: k for k, i in enumerate(range(len(blocks)) if adaptive else streamed)}
         self._streamed = sorted(streamed)
+        self._ever = set(self._streamed)  # every block that streamed at some time
+        self._changes: list[dict[str, Any]] = []  # {"stopped", "started", "h2d_bytes_before"} per change
 
     @property
     def streamed(self) -> list[int]:
@@ -101,7 +103,11 @@ class WeightStreamingHandle:
         new = sorted(_check_indices("streamed_indices", indices, len(self.blocks)))
         for i in range(len(self.blocks)):
             self.sb.set_resident(self._pos[i], i not in new)
+        self._note_change(
+            stopped=sorted(set(self._streamed) - set(new)), started=sorted(set(new) - set(self._streamed))
+        )
         self._streamed = new
+        self._ever.update(new)
 
     def block_of(self, tensor: torch.Tensor) -> int | None:
         """Stack index of the streamed block that owns ``tensor``, or None when it is not streamed."""
@@ -124,8 +130,17 @@ class WeightStreamingHandle:
                     f"WeightStreamingHandle.keep_resident: block {i} is not streamed; accepted: one of "
                     f"{self._streamed}. Fix: pass streamed block indices only."
                 )
+        stopped = _check_indices("indices", indices, len(self.blocks))
+        for i in stopped:
             self.sb.set_resident(self._pos[i], True)
             self._streamed.remove(i)
+        self._note_change(stopped=sorted(stopped), started=[])
+
+    def _note_change(self, stopped: list[int], started: list[int]) -> None:
+        if stopped or started:
+            self._changes.append(
+                {"stopped": stopped, "started": started, "h2d_bytes_before": self.sb.h2d_bytes}
+            )
 
     def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The host copy of a streamed block's parameter/buffer, or None when it is not streamed."""
@@ -135,8 +150,15 @@ class WeightStreamingHandle:
             return None
 
     def stats(self) -> dict[str, Any]:
-        """``StreamedBlocks.stats()`` plus ``streamed`` (stack indices)."""
-        return {**self.sb.stats(), "streamed": self.streamed}
+        """``StreamedBlocks.stats()`` plus ``streamed`` (stack indices streamed now), ``streamed_ever``
+        (every block that streamed at some time) and ``changes`` (each change of the streamed set between
+        steps: ``stopped`` / ``started`` block indices and the bytes streamed before it)."""
+        return {
+            **self.sb.stats(),
+            "streamed": self.streamed,
+            "streamed_ever": sorted(self._ever),
+            "changes": [dict(c) for c in self._changes],
+        }
 
     def remove(self) -> None:
         """Every block resident again, hooks removed."""

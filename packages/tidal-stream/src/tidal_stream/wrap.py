@@ -22,6 +22,7 @@ from tidal_stream.options import WrapOptions
 from tidal_stream.placement import decide_placement, foreign_device_bytes, refine_after_first_step
 from tidal_stream.session import Session
 from tidal_stream.sharded_optimizer import ShardedHostAdamW
+from tidal_stream.streamed_blocks import StreamingError
 
 __all__ = ["memory_report", "session_of", "unwrap", "wrap"]
 
@@ -172,6 +173,50 @@ def _install(
     session.handles += opt.install_read_guards(model)
     # a model state_dict must see the updated weights, not ones still in flight
     session.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
+    session.handles += _streamed_state_dict_hooks(session, model)
+
+
+def _streamed(session: Session, model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, tensor, host copy)`` of the model's parameters and buffers whose device storage is empty
+    now (streamed, between uses)."""
+    out = []
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    for ext in session.extensions:
+        if not hasattr(ext, "host_tensor"):
+            continue
+        for name, t in named:
+            if t.numel() > 0 and t.untyped_storage().nbytes() == 0:
+                host = ext.host_tensor(t)
+                if host is not None:
+                    out.append((name, t, host))
+    return out
+
+
+def _streamed_state_dict_hooks(session: Session, model: nn.Module) -> list[Any]:
+    """[Note: streamed tensors outside forward] a streamed weight's device storage is empty between uses
+    (reading it directly, e.g. ``p.clone()``, raises: see ``_empty_guard``; ``unwrap()`` first). The model's
+    ``state_dict()`` — what checkpointing reads — gets those entries from their host copies instead (a
+    CPU copy, current: pending host updates are written first); ``load_state_dict()`` into a wrapped
+    model with streamed weights is refused with the fix."""
+
+    def save(module: nn.Module, destination: dict, prefix: str, local_metadata: Any) -> None:
+        for name, t, host in _streamed(session, model):
+            key = prefix + name
+            if key in destination:
+                destination[key] = host.detach().reshape(t.shape).clone()  # CPU, [same shape]
+
+    def load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        names = [name for name, _, _ in _streamed(session, model) if prefix + name in state_dict]
+        if names:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise StreamingError(
+                f"load_state_dict(): {type(model).__name__} is wrapped and {len(names)} of the weights given "
+                f"stream ({shown}): their device storage is empty between uses and the host optimizer keeps "
+                "their fp32 masters; accepted: a state dict without streamed weights. Fix: load the state dict "
+                "before wrap(), or unwrap(model), load it, and wrap again."
+            )
+
+    return [model.register_state_dict_post_hook(save), model.register_load_state_dict_pre_hook(load)]
 
 
 def wrap(
@@ -188,6 +233,12 @@ def wrap(
     Returns:
         ``(model, optimizer)``: the same model (hooks installed) and an :class:`OffloadAdamW` — or, data
         parallel (``distributed``), a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
+
+    Reading weights between steps: ``model.state_dict()`` works (streamed weights come from their host
+    copies, as CPU tensors); a streamed parameter's own tensor has no device storage outside its block's
+    forward and backward: reading it directly (``p.clone()``, ``copy.deepcopy(model)``) raises
+    ``StreamingError`` naming it (``unwrap(model)`` first). ``load_state_dict()`` into a model whose weights
+    stream is refused the same way.
     """
     if not isinstance(model, nn.Module):
         raise option_error("model", type(model).__name__, "a torch.nn.Module", "pass the model to train.")
@@ -227,9 +278,13 @@ def wrap(
     if place.refine and opt.host_slots():
         torch.cuda.synchronize(device)
         foreign = foreign_device_bytes(opt, model, device)
+        # the refinement reads the first step's peak of RESERVED bytes: cached blocks freed by streaming
+        # the weights out (and by earlier work) would count as this model's use
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         budget = opts.vram_budget_bytes
-        opt._after_first_update = lambda: refine_after_first_step(session, opt, foreign, budget)
+        keep = place.keep_streamed
+        opt._after_first_update = lambda: refine_after_first_step(session, opt, foreign, budget, keep)
     setattr(model, _ATTR, session)
     session.record(
         "wrap",

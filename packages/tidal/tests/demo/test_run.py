@@ -47,6 +47,12 @@ def test_demo_tiny_three_steps_on_cpu(tmp_path, capsys):
     assert metrics["summary"]["cpu_stand_in"] is True
     ws = metrics["memory_report"]["weight_streaming"]  # the plan's streamed blocks really streamed
     assert ws["streamed"] and ws["h2d_bytes"] >= 3 * sum(ws["block_bytes"][i] for i in ws["streamed"])
+    # the printed plan was followed as given: its streamed blocks streamed all along, and the log says so
+    assert ws["streamed_ever"] == ws["streamed"] and ws["changes"] == []
+    assert (
+        metrics["summary"]["streamed_blocks"] == metrics["summary"]["streamed_blocks_ever"] == ws["streamed"]
+    )
+    assert f"streamed blocks {_ranges(ws['streamed'])} keep streaming" in text
     # every parameter's gradient went to the host each step: at least the trained bytes per step
     trained_bytes = metrics["summary"]["trained_parameters"] * 4
     assert metrics["summary"]["d2h_bytes"] >= 3 * trained_bytes
@@ -54,6 +60,17 @@ def test_demo_tiny_three_steps_on_cpu(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["summary"] == metrics["summary"] and "steps" not in rep
+
+
+def _ranges(idx: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``, as the decision log writes block lists."""
+    runs: list[list[int]] = []
+    for i in sorted(idx):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def test_demo_without_matplotlib_keeps_the_numbers(tmp_path, monkeypatch, capsys):
@@ -97,6 +114,10 @@ def test_demo_on_gpu_streams_and_stays_under_budget(tmp_path, quantize):
     assert m["summary"]["peak_under_budget"], m["summary"]
     ws = m["memory_report"]["weight_streaming"]
     assert ws["streamed"] and ws["h2d_bytes"] > 0, ws
+    # the measured refinement after the first step may move optimizer state, never the plan's streaming
+    assert ws["streamed_ever"] == ws["streamed"] and ws["changes"] == [], ws
+    msgs = [e["message"] for e in m["memory_report"]["events"]]
+    assert any(x.startswith("measured first step") and "keep streaming" in x for x in msgs), msgs
 
 
 def test_default_budget_makes_blocks_stream_and_is_below_an_all_resident_run():

@@ -223,7 +223,9 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
     say(the_plan.explain())
     say("")
     # the plan and its per-block decisions are passed in, so the CPU stand-in follows the same plan a GPU
-    # run would (left to itself, wrap() keeps plain AdamW and resident weights when the "device" is the host)
+    # run would (left to itself, wrap() keeps plain AdamW and resident weights when the "device" is the host);
+    # a given plan is followed as printed: after the first step's measurement tidal-stream may move more
+    # optimizer state to the GPU, but the plan's streamed blocks keep streaming
     model, optimizer = tidal.wrap(
         model,
         optimizer,
@@ -238,12 +240,15 @@ def run_demo(cfg: DemoConfig, *, echo: TextIO | None = None, progress: bool = Tr
     )
     setup_s = time.perf_counter() - t_plan
     plan_text = the_plan.explain()
-    for e in tidal.memory_report(model)["events"]:
+    events = tidal.memory_report(model)["events"]
+    for e in events:
         if e["kind"] != "plan":
             say(f"  [{e['kind']}] {e['message']}")
     mem.reset_peak()  # training peaks from here: the model was placed whole before wrap() streamed it out
     steps = _train(model, optimizer, batches, cfg, device, mem, tidal.memory_report, progress)
     report = tidal.memory_report(model)
+    for e in report["events"][len(events) :]:  # decisions made while training (the measured refinement)
+        say(f"  [{e['kind']}] {e['message']}")
     summary = _summary(steps, cfg, budget_bytes, setup_s, report, on_gpu, n_params, n_train)
     files, skipped = _write_outputs(cfg, steps, summary, plan_text, budget_bytes, report, on_gpu)
     for line in _summary_lines(summary, files, skipped):
@@ -346,6 +351,9 @@ def _summary(
         "h2d_bytes": sum(s["h2d_bytes"] for s in steps),
         "d2h_bytes": sum(s["d2h_bytes"] for s in steps),
         "events": len(report.get("events", ())),
+        # blocks streamed at the end, and every block that streamed at some time
+        "streamed_blocks": list(report.get("weight_streaming", {}).get("streamed", [])),
+        "streamed_blocks_ever": list(report.get("weight_streaming", {}).get("streamed_ever", [])),
     }
 
 

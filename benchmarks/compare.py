@@ -9,6 +9,11 @@ same model (exact architecture, seeded random weights) and trains on the same ba
 settings and learning rate; step time is the median after warm-up. Rows are JSON lines (``--out``);
 the Markdown table (ratio to the fastest) is printed at the end; ``--live`` streams progress as JSON
 lines; ``--report`` regenerates docs/benchmarks.md, its chart and the README's results block.
+
+An out-of-memory row explains itself: CUDA workers record allocation stacks through setup and warm-up,
+and the row's ``detail_extra`` lists the biggest live allocation sites at the failure
+(``BENCH_CUDA_MEMORY_HISTORY=0`` turns the recording off; see ``engines/memtrace.py``). A build that had
+to free replaced weights something still referenced says so in ``build_notes``.
 """
 
 from __future__ import annotations
@@ -318,8 +323,10 @@ def _announce(row: dict[str, Any], live: TextIO | None) -> None:
     """A finished row: a JSON line with ``--live``, else one human line on stderr."""
     if live is None:
         print(_one_line(row), file=sys.stderr, flush=True)
+        for extra in row.get("detail_extra") or []:  # where the memory of an OOM row went
+            print(f"    {extra}", file=sys.stderr, flush=True)
         return
-    keys = ("scenario", "engine", "outcome", "step_s", "peak_vram_gib", "detail")
+    keys = ("scenario", "engine", "outcome", "step_s", "peak_vram_gib", "detail", "detail_extra")
     live.write(json.dumps({"event": "row", **{k: row.get(k) for k in keys}}) + "\n")
     live.flush()
 

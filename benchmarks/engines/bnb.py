@@ -15,6 +15,7 @@ from torch import nn
 
 from engines import RunContext
 from engines.common import NotApplicable, adamw, add_lora, build_meta_model, materialize, train_step
+from engines.scenarios import Scenario
 
 
 def version() -> str:
@@ -53,6 +54,25 @@ def quantize_block_(block: nn.Module, device: torch.device) -> int:
     return count
 
 
+def build_model(
+    scenario: Scenario, device: torch.device, seed: int, on_block: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
+    """The QLoRA base: each block filled in bf16 on ``device``, its linears made NF4 there, the rest bf16.
+
+    Runs on any device bitsandbytes has a backend for (the CPU included, for tests); ``on_block`` sees
+    each block right after it is quantized.
+    """
+    model = build_meta_model(scenario, torch.bfloat16)
+
+    def hook(block: nn.Module) -> None:
+        quantize_block_(block, device)
+        if on_block is not None:
+            on_block(block)
+
+    materialize(model, "device", device=device, seed=seed, block_hook=hook)
+    return model
+
+
 def setup(ctx: RunContext, checkpointing: bool) -> Callable[[], float]:
     """QLoRA: NF4 base on the device, PEFT LoRA r=16 on all projections, torch AdamW on the adapters."""
     import bitsandbytes  # noqa: F401  (a missing package is a "not installed" row)
@@ -62,15 +82,13 @@ def setup(ctx: RunContext, checkpointing: bool) -> Callable[[], float]:
         raise NotApplicable("QLoRA trains adapters over a frozen 4-bit base only")
     if ctx.device.type != "cuda":
         raise NotApplicable("bitsandbytes NF4 training needs CUDA")
-    model = build_meta_model(sc, torch.bfloat16)
-    built = []  # blocks quantized so far, for an out-of-memory message that says where the build was
+    built: list[int] = []  # allocated bytes after each quantized block, for an out-of-memory message
 
-    def hook(block: nn.Module) -> None:
-        quantize_block_(block, ctx.device)
+    def count(_: nn.Module) -> None:
         built.append(torch.cuda.memory_allocated(ctx.device))
 
     try:
-        materialize(model, "device", device=ctx.device, seed=ctx.seed, block_hook=hook)
+        model = build_model(sc, ctx.device, ctx.seed, on_block=count)
     except torch.OutOfMemoryError as exc:
         gib = [round(b / 2**30, 2) for b in built[-3:]]
         where = f"building: {len(built)} blocks quantized, GiB allocated after the last ones {gib}"

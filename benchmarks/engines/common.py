@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import logging
 import statistics
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -182,20 +184,31 @@ def fill_(name: str, p: torch.Tensor, seed: int) -> None:
 
 
 def _units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-    """(prefix, module, recurse) in materialization order: each block, then everything else."""
+    """(prefix, module, recurse) in materialization order: each block, then everything else.
+
+    [Note: names, not modules] Only names are held across the iteration and each module is looked up
+    when its turn comes: a ``block_hook`` replaces modules (a quantized linear for an ``nn.Linear``), and a
+    module map taken up front would keep every replaced module, bf16 weight included, alive until the
+    last unit — the whole bf16 model on the device by the end of the build.
+    """
     layers = decoder_layers(model)
     layer_ids = {id(b) for b in layers}
-    full = dict(model.named_modules())
-    prefix_of = {id(m): n for n, m in full.items()}
-    for block in layers:
-        yield prefix_of[id(block)], block, True
-    # the rest (embeddings, final norm, head): modules outside the block stack, non-recursively
     inside: set[int] = set()
     for b in layers:
         inside.update(id(m) for m in b.modules())
-    for name, mod in full.items():
-        if id(mod) not in inside and id(mod) not in layer_ids and id(mod) != id(layers):
-            yield name, mod, False
+    block_names: list[str] = []
+    rest_names: list[str] = []
+    for name, mod in model.named_modules():
+        if id(mod) in layer_ids:
+            block_names.append(name)
+        elif id(mod) not in inside and mod is not layers:
+            rest_names.append(name)
+    del inside, layer_ids, layers
+    for name in block_names:
+        yield name, model.get_submodule(name), True
+    # the rest (embeddings, final norm, head): modules outside the block stack, non-recursively
+    for name in rest_names:
+        yield name, model.get_submodule(name), False
 
 
 def materialize(
@@ -247,11 +260,15 @@ def materialize(
             done[id(p)] = (p, nn.Parameter(new, requires_grad=p.requires_grad))
             _set_param(unit, pname, done[id(p)][1])
         new = p = None  # no stray reference keeps the last tensor alive
+        created = [weakref.ref(q) for _, q in done.values()] if is_block else []
         if is_block and block_hook is not None:
             block_hook(unit)
         if is_block:
             done.clear()
         _place(unit, target, recurse)
+        if created:
+            _release_orphans(prefix, unit, created)
+        unit = None
     _rebuild_rotary(model, device if rest_where == "device" else torch.device("cpu"))
     return model
 
@@ -273,6 +290,59 @@ def _place(unit: nn.Module, where: Where, recurse: bool) -> None:
             continue
         host = t.data.to("cpu")
         t.data = host.pin_memory() if where == "pinned" else host
+
+
+def _holder_chain(obj: object, ignore: tuple[object, ...], depth: int = 4) -> str:
+    """``dict < Linear < list``: the types that keep ``obj`` alive, nearest first (frames skipped)."""
+    chain: list[str] = []
+    skip = {id(o) for o in ignore}
+    for _ in range(depth):
+        holders = [
+            r
+            for r in gc.get_referrers(obj)
+            if id(r) not in skip and type(r).__name__ not in ("frame", "cell")
+        ]
+        if not holders:
+            break
+        skip.add(id(holders))
+        obj = holders[0]
+        chain.append(type(obj).__name__)
+    return " < ".join(chain) or "nothing found"
+
+
+#: One line per block whose replaced tensors were still referenced after its hook (freed by force).
+BUILD_NOTES: list[str] = []
+
+
+def _release_orphans(prefix: str, unit: nn.Module, created: list[weakref.ref]) -> None:
+    """Free tensors this block was filled with that the block no longer holds but something still does.
+
+    After the hook (e.g. quantization) and placement, a filled bf16 weight that is not the block's own
+    any more must be gone; if a stray reference keeps it (a cache, a cycle, a module map), its storage is
+    released here so the build stays bounded, and the holder's type is recorded in :data:`BUILD_NOTES`.
+    """
+    own = [*unit.parameters(), *unit.buffers()]
+    kept = {id(t) for t in own}
+    # a tensor the block keeps may share an orphan's storage (``nn.Parameter(old.bias.data)``): never freed
+    kept_storage = {t.untyped_storage().data_ptr() for t in own if not t.is_meta}
+    orphans = [t for t in (r() for r in created) if t is not None and id(t) not in kept]
+    orphans = [
+        t
+        for t in orphans
+        if t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() not in kept_storage
+    ]
+    if not orphans:
+        return
+    nbytes = sum(t.untyped_storage().nbytes() for t in orphans)
+    note = (
+        f"{prefix}: {len(orphans)} replaced tensors ({nbytes / MiB:.1f} MiB) still referenced after the hook"
+    )
+    if not BUILD_NOTES:  # the holder chain once: gc.get_referrers scans every object
+        note += f" (held by {_holder_chain(orphans[0], ignore=(orphans,))})"
+        log.warning("materialize: %s; their storage is freed", note)
+    BUILD_NOTES.append(note)
+    for t in orphans:
+        t.untyped_storage().resize_(0)
 
 
 def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:

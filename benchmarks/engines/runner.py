@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from engines import RunContext, get_engine
+from engines import RunContext, get_engine, memtrace
 from engines.common import (
+    BUILD_NOTES,
     DevicePeak,
     Filler,
     NotApplicable,
@@ -74,10 +75,18 @@ def run_engine(
     }
     timing = Timing()
     filler = peak = None
+    recording = False
     t_start = time.perf_counter()
+
+    def progress(event: dict[str, Any]) -> None:
+        emit(event)
+        if recording and event.get("event") == "step" and event.get("step") == warmup - 1:
+            memtrace.stop(dev)  # the timed steps run without allocation stacks
+
     try:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            recording = memtrace.start(dev, memtrace.history_entries())
             if budget is not None:
                 filler = Filler(budget, dev)
                 rec.update(filler.describe())
@@ -85,12 +94,14 @@ def run_engine(
             peak = DevicePeak(dev)
         emit({"event": "phase", "engine": engine.name, "phase": "setup"})
         module = importlib.import_module(f"engines.{engine.module}")
-        ctx = RunContext(scenario, dev, budget, seed, emit)
+        ctx = RunContext(scenario, dev, budget, seed, progress)
         step = module.setup(ctx, **engine.variant)
         rec["version"] = module.version()
         rec["setup_s"] = time.perf_counter() - t_start
         emit({"event": "phase", "engine": engine.name, "phase": "steps", "setup_s": rec["setup_s"]})
-        run_steps(step, warmup=warmup, steps=steps, device=dev, progress=emit, timing=timing)
+        if recording and warmup == 0:
+            memtrace.stop(dev)
+        run_steps(step, warmup=warmup, steps=steps, device=dev, progress=progress, timing=timing)
         rec["outcome"], rec["detail"] = "ok", ""
     except NotApplicable as exc:
         rec["outcome"], rec["detail"] = "n/a", str(exc)
@@ -100,6 +111,11 @@ def run_engine(
         else:
             rec["outcome"] = "OOM" if is_oom(exc) else "error"
             rec["detail"] = first_line(exc)
+            if rec["outcome"] == "OOM" and recording:
+                # here, while the traceback still holds the failed frames and what they allocated
+                rec["detail_extra"] = memtrace.oom_report(dev)
+    if BUILD_NOTES:
+        rec["build_notes"] = list(BUILD_NOTES)
     rec["wall_s"] = time.perf_counter() - t_start
     rec["step_times"] = timing.times
     rec["losses"] = timing.losses

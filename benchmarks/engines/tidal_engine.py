@@ -28,7 +28,7 @@ from engines.common import (
     materialize,
     train_step,
 )
-from engines.scenarios import hf_config
+from engines.scenarios import Scenario, hf_config
 
 
 def version() -> str:
@@ -60,12 +60,53 @@ def quantize_base_(block: nn.Module, fmt: str) -> None:
 
 
 def _load_auto(ctx: RunContext) -> nn.Module:
-    """``tidal_hf.load_model`` with random weights of the scenario's exact shape, quantize="auto"."""
+    """``tidal_hf.load_model`` with random weights of the scenario's exact shape, quantize="auto".
+
+    The budget goes along, so the loader's plan decides both the format and which blocks it leaves in
+    pinned host memory for ``wrap`` to stream (a 14B bf16 base at 24 GiB is never built on the device).
+    """
     from tidal_hf import load_model
 
     with tempfile.TemporaryDirectory() as d:
         hf_config(ctx.scenario).save_pretrained(d)
-        return load_model(d, quantize="auto", dtype=torch.bfloat16, random_weights=True)
+        return load_model(
+            d,
+            quantize="auto",
+            dtype=torch.bfloat16,
+            random_weights=True,
+            device=ctx.device,
+            vram_budget=ctx.budget_bytes,
+            progress=False,
+            seed=ctx.seed,
+        )
+
+
+def build_model(
+    scenario: Scenario,
+    fmt: str | None,
+    device: torch.device,
+    seed: int,
+    on_block: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """The model ``wrap`` gets: blocks filled (and quantized to ``fmt``) on ``device``, then kept in host RAM.
+
+    LoRA adapters are added on the meta device first when the scenario trains adapters. On the CPU the
+    host is the device, so the model stays where it was built. ``on_block`` sees each block after its
+    hook, before it moves.
+    """
+    model = build_meta_model(scenario, torch.bfloat16)
+    if scenario.mode == "lora":
+        model = add_lora(model, seed)  # on meta: materialize fills the adapters with the same values
+
+    def hook(block: nn.Module) -> None:
+        if fmt:
+            quantize_base_(block, fmt)
+        if on_block is not None:
+            on_block(block)
+
+    where = "device" if device.type == "cpu" else "cpu"
+    materialize(model, where, device=device, seed=seed, block_hook=hook)
+    return model
 
 
 def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
@@ -80,12 +121,7 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
         if sc.mode == "lora":
             model = add_lora(model, ctx.seed)
     else:
-        model = build_meta_model(sc, torch.bfloat16)
-        if sc.mode == "lora":
-            model = add_lora(model, ctx.seed)  # on meta: materialize fills the adapters with the same values
-        hook = (lambda b: quantize_base_(b, fmt)) if fmt else None
-        where = "device" if ctx.device.type == "cpu" else "cpu"
-        materialize(model, where, device=ctx.device, seed=ctx.seed, block_hook=hook)
+        model = build_model(sc, fmt, ctx.device, ctx.seed)
     model.config.use_cache = False
     model.train()
     opt = adamw(model, ctx.lr)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import compare
 import pytest
+import torch
 from engines import Engine
 from engines.runner import PREFIX, run_engine
 from engines.scenarios import SCENARIOS
@@ -147,3 +148,30 @@ def test_stock_engine_full_and_decode_in_process(scenario: str) -> None:
         assert rec["losses"][-1] < rec["losses"][0]
     else:  # decode: negative log-prob of each greedy token, finite and positive
         assert all(0 < x < 20 for x in rec["losses"])
+
+
+def test_oom_row_carries_the_allocation_sites_and_timed_steps_run_unrecorded(monkeypatch) -> None:
+    import engines.stock
+    from engines import memtrace
+
+    calls: list[str] = []
+    monkeypatch.setattr(memtrace, "start", lambda dev, n: calls.append(f"start {n}") or True)
+    monkeypatch.setattr(memtrace, "stop", lambda dev: calls.append("stop"))
+    monkeypatch.setattr(
+        memtrace, "oom_report", lambda dev: ["live at OOM: 23.90 GiB in 9 blocks, 1 allocation sites"]
+    )
+    monkeypatch.setenv(memtrace.ENV, "1234")
+    monkeypatch.setattr("engines.runner.torch.cuda.set_device", lambda dev: None)
+    monkeypatch.setattr("engines.runner.torch.cuda.reset_peak_memory_stats", lambda dev: None)
+    monkeypatch.setattr("engines.runner.torch.cuda.max_memory_allocated", lambda dev: 0)
+    monkeypatch.setattr("engines.runner.torch.cuda.max_memory_reserved", lambda dev: 0)
+    monkeypatch.setattr("engines.runner.torch.cuda.get_device_name", lambda dev: "test device")
+    monkeypatch.setattr("engines.runner.DevicePeak", lambda dev: None)
+
+    def oom(ctx, **variant):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 MiB")
+
+    monkeypatch.setattr(engines.stock, "setup", oom)
+    rec = run_engine("stock", "smoke", device="cuda:0", vram_gb=None, warmup=1, steps=1)
+    assert rec["outcome"] == "OOM" and rec["detail_extra"][0].startswith("live at OOM: 23.90 GiB"), rec
+    assert calls == ["start 1234"]

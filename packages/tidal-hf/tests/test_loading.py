@@ -187,7 +187,7 @@ def test_cuda_load_equals_cpu_load(tmp_path):
 
 def test_quantize_auto_follows_the_plan():
     from tidal_hf import qwen25_config
-    from tidal_hf.loading import _choose_format, _meta_model
+    from tidal_hf.loading import _choose_format, _decide, _meta_model, _weight_bytes
     from tidal_plan import HardwareProfile
 
     meta = _meta_model(qwen25_config("14b"), torch.bfloat16)
@@ -195,9 +195,130 @@ def test_quantize_auto_follows_the_plan():
     big = HardwareProfile.synthetic(vram_budget_bytes="139GiB")
     small = HardwareProfile.synthetic(vram_budget_bytes="24GiB")
     assert _choose_format(meta, "auto", cuda, big) is None  # 28 GB of bf16 fits: stays exact
-    assert _choose_format(meta, "auto", cuda, small) in ("int8", "nf4")  # it does not fit 24 GiB
+    assert _decide(meta, "auto", cuda, big).streamed == frozenset()
+    # at 24 GiB the bf16 base does not fit: quantized, or exact with the blocks that do not fit on the host
+    fit = _decide(meta, "auto", cuda, small)
+    layers = meta.model.layers
+    resident = _weight_bytes(meta, fit.fmt) - sum(
+        _weight_bytes(layers[i], fit.fmt) if fit.fmt is None else _quantized_block_bytes(layers[i], fit.fmt)
+        for i in fit.streamed
+    )
+    assert fit.fmt in ("int8", "nf4") or fit.streamed, fit
+    assert resident <= 24 * 2**30, (fit, resident / 2**30)
     assert all(p.requires_grad for p in meta.parameters())  # flags restored
     assert _choose_format(meta, "auto", torch.device("cpu")) is None
+    assert _decide(meta, "nf4", torch.device("cpu")) == _decide(meta, "nf4", torch.device("cpu"), small)
+
+
+def _quantized_block_bytes(block, fmt):
+    from tidal_quant import bytes_per_weight
+
+    return sum(
+        int(p.numel() * (bytes_per_weight(fmt) if p.dim() == 2 else p.element_size()))
+        for p in block.parameters()
+    )
+
+
+def test_host_blocks_are_matched_by_whole_index():
+    from tidal_hf import tiny_config
+    from tidal_hf.loading import _Filler, _meta_model
+
+    meta = _meta_model(
+        tiny_config("qwen2", num_hidden_layers=12, layer_types=["full_attention"] * 12), torch.float32
+    )
+    f = _Filler(meta, None, torch.float32, torch.device("cpu"), frozenset({1, 3}))
+    assert f.on_host("model.layers.1") and f.on_host("model.layers.3.mlp.up_proj")
+    assert not f.on_host("model.layers.11.mlp.up_proj")  # "1" is not a prefix of "11"
+    assert not f.on_host("model.layers.0.self_attn") and not f.on_host("model.embed_tokens")
+    assert not _Filler(meta, None, torch.float32, torch.device("cpu")).on_host("model.layers.1")
+
+
+def _storage_bytes(tensors, baseline=None):
+    seen = {}
+    for o in tensors:
+        if issubclass(type(o), torch.Tensor) and not o.is_meta and o.device.type == "cpu":
+            st = o.untyped_storage()
+            if st.nbytes() and (baseline is None or st.data_ptr() not in baseline):
+                seen[st.data_ptr()] = st.nbytes()
+    return seen
+
+
+def test_random_fill_holds_no_replaced_linear(monkeypatch):
+    """While filling, live memory is the model so far: no replaced bf16 linear outlives its module."""
+    import gc
+
+    from tidal_hf import tiny_config
+    from tidal_hf.loading import _Filler
+
+    cfg = tiny_config(
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        layer_types=["full_attention"] * 4,
+    )
+    gc.collect()
+    base = _storage_bytes(gc.get_objects())
+    excess = []
+    settle = _Filler.settle
+
+    def measured(self, module_name):
+        settle(self, module_name)
+        model = self.model
+        live = sum(_storage_bytes(gc.get_objects(), base).values())
+        excess.append(live - sum(_storage_bytes([*model.parameters(), *model.buffers()]).values()))
+
+    monkeypatch.setattr(_Filler, "settle", measured)
+    got = load_model(cfg, random_weights=True, quantize="int8", device="cpu", progress=False)
+    assert sum(isinstance(m, QuantLinear) for m in got.modules()) == 4 * 7
+    assert len(excess) > 4 * 7 and max(excess) <= 64 * 1024, max(excess)  # a replaced linear is 128 KiB+
+
+
+def test_vram_budget_is_validated():
+    from tidal_hf import tiny_config
+
+    for bad in (0, -5, "lots", True):
+        with pytest.raises(OptionError, match="vram_budget"):
+            load_model(
+                tiny_config("qwen2"), random_weights=True, device="cpu", progress=False, vram_budget=bad
+            )
+    got = load_model(
+        tiny_config("qwen2"), random_weights=True, device="cpu", progress=False, vram_budget="24GiB"
+    )
+    assert all(t.device.type == "cpu" for t in got.state_dict().values())
+
+
+@pytest.mark.gpu
+def test_blocks_over_the_budget_are_filled_on_the_device_and_kept_pinned():
+    from tidal_hf import tiny_config
+
+    cfg = tiny_config(
+        "qwen2",
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        layer_types=["full_attention"] * 8,
+    )
+    block = 2 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632)  # bf16 bytes of one block's linears
+    budget = 2 * 2**30  # 8 blocks (720 MB) + the plan's activations, loss and stream window do not fit
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    got = load_model(
+        cfg, random_weights=True, quantize=None, device="cuda", progress=False, vram_budget=budget
+    )
+    peak = torch.cuda.max_memory_allocated() - start
+    where = {i: {p.device.type for p in b.parameters()} for i, b in enumerate(got.model.layers)}
+    host = [i for i, d in where.items() if d == {"cpu"}]
+    assert host, where
+    assert all(p.is_pinned() for i in host for p in got.model.layers[i].parameters())
+    assert all(d in ({"cpu"}, {"cuda"}) for d in where.values()), where
+    resident = torch.cuda.memory_allocated() - start
+    assert resident <= (8 - len(host)) * block + 2 * 2 * 8192 * 2048 + 2**20, (resident, host)
+    assert peak <= resident + block, (peak, resident)  # filled one module at a time: at most a block over
 
 
 def test_hub_id_from_the_local_cache_only(tmp_path, monkeypatch):

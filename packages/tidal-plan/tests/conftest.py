@@ -125,3 +125,20 @@ def build_meta_lm():
         return add_lora(m, lora_rank) if lora_rank else m
 
     return build
+
+
+def assert_overlap_order(p) -> None:
+    """Host-updated blocks are the last trained blocks and streamed blocks the last blocks (see the
+    planner's [Note: overlap order]): the order tidal_stream.wrap() imposes, so it leaves such a plan as
+    it is."""
+    trained = [b.index for b in p.blocks if b.optimizer != "none"]
+    host = [b.index for b in p.blocks if b.optimizer == "host"]
+    assert host == trained[len(trained) - len(host) :], p.explain()
+    streamed = list(p.streamed_blocks)
+    assert streamed == list(range(len(p.blocks) - len(streamed), len(p.blocks))), p.explain()
+
+
+@pytest.fixture
+def overlap_order():
+    """``overlap_order(plan)`` asserts the planner's block order (:func:`assert_overlap_order`)."""
+    return assert_overlap_order

@@ -50,20 +50,33 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
     assert {b.optimizer for b in p.blocks} <= {"gpu", "host"}
     assert p.optimizer.moment_dtype == "fp32"
 
-    # With the full [4096, 152064] logits (7 GiB at the loss's peak) int8 weights no longer fit beside them;
-    # a chunked loss (what a tight budget calls for) leaves room for int8 with every block resident.
-    f = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw))
-    _check_invariants(f, 24 * GiB, 64 * 10**9)
-    assert f.vram_breakdown["loss"] == 12 * 4096 * 152064 and f.quantize == "nf4"
-    q = plan(
-        qwen14b_lora_census,
-        prof,
-        PlanConfig(quantize="auto", bytes_per_weight=bpw, loss_chunk_tokens=1024),
-    )
-    _show("Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed', chunked loss", q)
-    _check_invariants(q, 24 * GiB, 64 * 10**9)
-    assert q.quantize == "int8" and not q.streamed_blocks  # int8 keeps every block resident
-    assert q.prediction.step_s < 0.9 * p.prediction.step_s
+    # int8 weights fit resident beside a chunked loss, not beside the full [4096, 152064] logits (7 GiB at
+    # the loss's peak).
+    full_int8 = plan(qwen14b_lora_census, prof, PlanConfig(quantize="int8", bytes_per_weight=bpw))
+    assert full_int8.vram_breakdown["loss"] == 12 * 4096 * 152064 and full_int8.streamed_blocks
+    # quantize="auto" under prefer="speed" takes a smaller format only for a step at least 10 % shorter.
+    # None is here: 48 blocks saving 833 MiB of activations each at 4096 tokens do not fit beside any of
+    # the weights, and offloading one costs about 15 ms of link in forward against 5 ms of its compute, so
+    # recomputing the activations sets the step whatever the weights' format: exact stays.
+    for chunk in (None, 1024):
+        exact = p if chunk is None else plan(qwen14b_lora_census, prof, PlanConfig(loss_chunk_tokens=chunk))
+        for fmt in ("int8", "nf4"):
+            alt = plan(
+                qwen14b_lora_census,
+                prof,
+                PlanConfig(quantize=fmt, bytes_per_weight=bpw, loss_chunk_tokens=chunk),
+            )
+            if fmt == "int8" and chunk:
+                assert not alt.streamed_blocks  # int8 keeps every block resident beside a chunked loss
+            assert alt.prediction.step_s > 0.9 * exact.prediction.step_s, (fmt, chunk, alt.explain())
+        q = plan(
+            qwen14b_lora_census,
+            prof,
+            PlanConfig(quantize="auto", bytes_per_weight=bpw, loss_chunk_tokens=chunk),
+        )
+        _show(f"Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed', loss chunk {chunk}", q)
+        _check_invariants(q, 24 * GiB, 64 * 10**9)
+        assert q.quantize is None and q.prediction == exact.prediction
 
     m = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, prefer="memory"))
     assert m.quantize is None  # exact fits: "auto" quantizes only when it must

@@ -15,7 +15,6 @@ from tidal_stream import session_of, unwrap, wrap
 from tidal_stream.placement import (
     device_share,
     device_state_bytes,
-    overlap_order,
     promote_to_device,
     refine_after_first_step,
     widen_workspace,
@@ -52,35 +51,6 @@ def _split_plan(n_layers: int, host: list[int], streamed: list[int]):
     gpu = tuple(i for i in range(n_layers) if i not in host)
     return dataclasses.replace(
         p, blocks=blocks, optimizer=dataclasses.replace(p.optimizer, placement="split", gpu_blocks=gpu)
-    )
-
-
-def test_overlap_order_moves_the_host_share_to_the_last_blocks():
-    p = _split_plan(6, host=[0, 1, 2], streamed=[0, 1])
-    q, note = overlap_order(p)
-    assert note is not None and "0-2 to 3-5" in note
-    assert [b.optimizer for b in q.blocks] == ["gpu"] * 3 + ["host"] * 3
-    assert [b.weights for b in q.blocks] == ["resident"] * 3 + ["streamed"] * 2 + ["resident"]
-    assert q.optimizer.gpu_blocks == (0, 1, 2)
-    # same bytes: activations untouched, same counts per kind
-    assert [b.activations for b in q.blocks] == [b.activations for b in p.blocks]
-    assert q.tiers == p.tiers and q.optimizer.gpu_state_bytes == p.optimizer.gpu_state_bytes
-    assert q.notes[-1] == note
-
-
-def test_overlap_order_leaves_plans_it_cannot_improve():
-    done = _split_plan(4, host=[2, 3], streamed=[3])
-    assert overlap_order(done) == (done, None)  # already last
-    uneven = _split_plan(4, host=[0], streamed=[])
-    blocks = list(uneven.blocks)
-    blocks[3] = dataclasses.replace(blocks[3], weight_bytes=blocks[3].weight_bytes + 1)
-    uneven = dataclasses.replace(uneven, blocks=tuple(blocks))
-    assert overlap_order(uneven)[1] is None  # moving would change the bytes on the device
-    assert (
-        overlap_order(
-            dataclasses.replace(uneven, optimizer=dataclasses.replace(uneven.optimizer, placement="host"))
-        )[1]
-        is None
     )
 
 

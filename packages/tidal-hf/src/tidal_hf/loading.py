@@ -6,6 +6,9 @@
    to ``device`` and put in place; a frozen block linear's weight is quantized at once and its
    ``nn.Linear`` replaced by a ``QuantLinear``. Peak host memory: what was kept so far plus one tensor.
 3. ``random_weights=True`` fills the same shapes module by module with the model's own initialiser.
+4. On CUDA, blocks that the plan for ``vram_budget`` streams are filled on the device like the others,
+   then moved to pinned host memory module by module, so the device never holds more than what stays
+   there plus one module (a 14B bf16 base at a 24 GiB budget is never built on the device).
 
 Tied parameters (e.g. GPT-2's head and embeddings) are one Parameter registered under several names:
 the first tensor read for any of them fills all.
@@ -13,6 +16,7 @@ the first tensor read for any of them fills all.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -116,19 +120,62 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype)
 
 
-def _choose_format(model: nn.Module, quantize: Any, device: torch.device, profile: Any = None) -> str | None:
-    """The block-linear format: ``quantize`` itself, or for ``"auto"`` the tidal plan's choice on ``device``."""
-    if quantize is None or quantize is False:
-        return None
-    if quantize in _FORMATS:
-        return quantize
-    if quantize != "auto":
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """What the plan decided before any weight is read."""
+
+    fmt: str | None
+    """Format of the block linears (None: exact)."""
+    streamed: frozenset[int] = frozenset()
+    """Indices of the blocks kept in (pinned) host memory, for ``tidal_stream.wrap`` to stream."""
+
+
+def _weight_bytes(model: nn.Module, fmt: str | None) -> int:
+    """Bytes of the model's parameters once loaded: block linear weights in ``fmt``, the rest as they are."""
+    stack = find_block_stack(model)
+    linear_weights = (
+        {id(m.weight) for m in stack.modules() if type(m) is nn.Linear}
+        if fmt and stack is not None
+        else set()
+    )
+    total = 0
+    for p in model.parameters():
+        per = bytes_per_weight(fmt) if id(p) in linear_weights else p.element_size()
+        total += int(p.numel() * per)
+    return total
+
+
+def _decide(
+    model: nn.Module,
+    quantize: Any,
+    device: torch.device,
+    profile: Any = None,
+    vram_budget: int | str | None = None,
+) -> _Placement:
+    """The block-linear format and the blocks left on the host, by the tidal plan for LoRA on ``device``.
+
+    On the CPU nothing is planned: weights stay exact for ``"auto"`` and every block stays in place. On
+    CUDA an explicit format (or None) whose weights take under half the budget skips the plan (the
+    hardware profile takes seconds the first time); otherwise the plan chooses ``"auto"``'s format and
+    which blocks do not fit, and those are placed in pinned host memory as they are filled.
+    """
+    if quantize is False:
+        quantize = None
+    if quantize is not None and quantize != "auto" and quantize not in _FORMATS:
         raise bad_option("load_model", "quantize", quantize, f"'auto', None, or one of {list(_FORMATS)}")
     if device.type != "cuda":
-        log.info("load_model: quantize='auto' keeps weights exact on %s (nothing to fit)", device)
-        return None
-    from tidal_plan import PlanConfig, census, plan, profile_hardware
+        if quantize == "auto":
+            log.info("load_model: quantize='auto' keeps weights exact on %s (nothing to fit)", device)
+            return _Placement(None)
+        return _Placement(quantize)
+    from tidal_plan import PlanConfig, census, parse_bytes, plan, profile_hardware
 
+    if quantize != "auto" and profile is None:
+        room = vram_budget if isinstance(vram_budget, int) else None
+        if room is None:
+            room = parse_bytes(vram_budget) if vram_budget is not None else torch.cuda.mem_get_info(device)[0]
+        if 2 * _weight_bytes(model, quantize) <= room:
+            return _Placement(quantize)
     stack = find_block_stack(model)
     # plan for LoRA: the base frozen while planning; the blocks' 1-D parameters (norms, biases) stand in for
     # the adapters, which are as small. Flags are restored after.
@@ -137,16 +184,30 @@ def _choose_format(model: nn.Module, quantize: Any, device: torch.device, profil
     try:
         for t in model.parameters():
             t.requires_grad_(t.dim() == 1 and id(t) in in_blocks)
+        hw = profile if profile is not None else profile_hardware(device, vram_budget=vram_budget)
         p = plan(
             census(model, blocks=stack),
-            profile if profile is not None else profile_hardware(device),
-            PlanConfig(quantize="auto", training="lora", bytes_per_weight=bytes_per_weight),
+            hw,
+            PlanConfig(quantize=quantize, training="lora", bytes_per_weight=bytes_per_weight),
         )
     finally:
         for t in model.parameters():
             t.requires_grad_(flags[id(t)])
-    log.info("load_model: quantize='auto' -> %s (the plan for LoRA on %s)", p.quantize or "exact", device)
-    return p.quantize
+    fmt = p.quantize if quantize == "auto" else quantize
+    streamed = frozenset(p.streamed_blocks) if stack is not None else frozenset()
+    log.info(
+        "load_model: block linears %s, %d of %d blocks kept in pinned host memory (the plan for LoRA on %s)",
+        fmt or "exact",
+        len(streamed),
+        len(stack) if stack is not None else 0,
+        device,
+    )
+    return _Placement(fmt, streamed)
+
+
+def _choose_format(model: nn.Module, quantize: Any, device: torch.device, profile: Any = None) -> str | None:
+    """The block-linear format: ``quantize`` itself, or for ``"auto"`` the tidal plan's choice on ``device``."""
+    return _decide(model, quantize, device, profile).fmt
 
 
 def _targets(model: nn.Module, fmt: str | None) -> set[str]:
@@ -171,9 +232,20 @@ def _targets(model: nn.Module, fmt: str | None) -> set[str]:
 class _Filler:
     """Puts tensors into a meta-built model; quantizes target linears as their weights arrive."""
 
-    def __init__(self, model: nn.Module, fmt: str | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        fmt: str | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        streamed: frozenset[int] = frozenset(),
+    ) -> None:
         self.model, self.fmt, self.dtype, self.device = model, fmt, dtype, device
         self.targets = _targets(model, fmt)
+        stack = find_block_stack(model) if streamed else None
+        stack_name = next((n for n, m in model.named_modules() if m is stack), "")
+        #: name prefixes of the blocks that live in host memory (filled on ``device``, then moved)
+        self.host_prefixes = tuple(f"{stack_name}.{i}." for i in sorted(streamed))
         self.aliases: dict[str, list[str]] = {}  # name -> every name of the same (tied) tensor
         groups: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -207,9 +279,29 @@ class _Filler:
             "config.json matches the weights (model_type, sizes), or load with transformers' from_pretrained."
         )
 
+    def on_host(self, module_name: str) -> bool:
+        """Whether the module ``module_name`` belongs to a block the plan keeps in host memory."""
+        return bool(self.host_prefixes) and f"{module_name}.".startswith(self.host_prefixes)
+
+    def settle(self, module_name: str) -> None:
+        """Move the module's own tensors to pinned host memory when its block lives there."""
+        if not self.on_host(module_name):
+            return
+        module = self.model.get_submodule(module_name)
+        pin = torch.cuda.is_available()  # page-locked memory needs a CUDA driver
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if t.is_meta or t.device.type == "cpu":
+                continue
+            host = t.data.to("cpu")
+            t.data = host.pin_memory() if pin else host
+
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """Place ``tensor`` as the model's ``name`` (cast, moved, quantized if targeted)."""
         owner, _, leaf = name.rpartition(".")
+        self._put(name, owner, leaf, tensor)
+        self.settle(owner)
+
+    def _put(self, name: str, owner: str, leaf: str, tensor: torch.Tensor) -> None:
         module = self.model.get_submodule(owner)
         tensor = tensor.to(self.device)  # first: a cast on the GPU is far faster than on the host
         if tensor.is_floating_point():
@@ -267,35 +359,39 @@ class _Filler:
 # ---------------------------------------------------------------------------------------------- random
 @torch.no_grad()
 def _fill_random(filler: _Filler, seed: int) -> None:
-    """Materialize every meta module on the device and initialise it with the model's own ``_init_weights``."""
+    """Materialize every meta module on the device and initialise it with the model's own ``_init_weights``.
+
+    Module by module: each is filled, initialised, quantized when targeted, then moved to host memory
+    when its block lives there. Only names are held across the loop (a list of the modules would keep
+    every replaced bf16 linear alive to the end: the whole exact model on the device).
+    """
     model = filler.model
     torch.manual_seed(seed)
     init = getattr(model, "_init_weights", None)
-    done: dict[int, nn.Parameter] = {}
-    for name, module in list(model.named_modules()):
+    names = [n for n, m in model.named_modules() if any(p.is_meta for p in m.parameters(recurse=False))]
+    for name in names:
+        module = model.get_submodule(name)
         local = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_meta]
         if not local:
-            continue
+            continue  # tied: materialized under another name already
         for leaf, p in local:
-            full = f"{name}.{leaf}" if name else leaf
-            if id(p) in done:  # tied: already materialized under another name
-                module._parameters[leaf] = done[id(p)]
-                continue
             new = nn.Parameter(
                 torch.empty(p.shape, dtype=p.dtype, device=filler.device), requires_grad=p.requires_grad
             )
-            done[id(p)] = new
-            for alias in filler.aliases[full]:
+            for alias in filler.aliases[f"{name}.{leaf}" if name else leaf]:  # tied names get it at once
                 o, _, lf = alias.rpartition(".")
                 model.get_submodule(o)._parameters[lf] = new
+        new = p = None
         if callable(init):
             init(module)
         else:
-            for _, p in module.named_parameters(recurse=False):
-                p.normal_(0.0, 0.02)
+            for _, q in module.named_parameters(recurse=False):
+                q.normal_(0.0, 0.02)
         if name in filler.targets:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, QuantLinear.from_linear(module, filler.fmt))
+        module = None
+        filler.settle(name)
 
 
 def _check_device(device: Any) -> torch.device:
@@ -316,6 +412,21 @@ def _check_device(device: Any) -> torch.device:
     return dev
 
 
+def _check_budget(vram_budget: Any) -> None:
+    """Validate ``load_model``'s ``vram_budget`` up front: None, a positive int, or a size string."""
+    from tidal_plan import PlanConfigError, parse_bytes
+
+    if vram_budget is None:
+        return
+    accepted = 'None, a positive number of bytes, or a size string such as "24GiB"'
+    try:
+        ok = parse_bytes(vram_budget, option="vram_budget") > 0
+    except PlanConfigError:
+        ok = False
+    if not ok:
+        raise bad_option("load_model", "vram_budget", vram_budget, accepted, 'e.g. vram_budget="24GiB"')
+
+
 # ---------------------------------------------------------------------------------------------- API
 def load_model(
     name_or_path: str | os.PathLike | Any,
@@ -327,6 +438,7 @@ def load_model(
     allow_pickle: bool = False,
     progress: bool = True,
     seed: int = 0,
+    vram_budget: int | str | None = None,
     **config_overrides: Any,
 ) -> nn.Module:
     """Load a causal LM with bounded host memory, quantizing frozen block linears while reading.
@@ -346,6 +458,9 @@ def load_model(
         allow_pickle: accept ``.bin``/``.pt`` pickle checkpoints (they can run code when loaded).
         progress: show a tqdm bar in bytes.
         seed: seed of ``random_weights``.
+        vram_budget: device bytes (or ``"24GiB"``) the model will train in on CUDA; None: the memory free
+            now. The plan for that budget picks ``"auto"``'s format and the blocks that do not fit: those
+            are filled on the device and kept in pinned host memory for ``tidal_stream.wrap`` to stream.
         **config_overrides: config fields to change (e.g. ``num_hidden_layers=2``).
 
     Returns:
@@ -369,6 +484,7 @@ def load_model(
         if not isinstance(value, bool):
             raise bad_option("load_model", flag, value, "True or False")
     dev = _check_device(device)
+    _check_budget(vram_budget)
     if isinstance(name_or_path, PretrainedConfig):
         if not random_weights:
             raise bad_option(
@@ -386,8 +502,9 @@ def load_model(
         folder = _resolve_dir(name_or_path)
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **config_overrides)
     model = _meta_model(config, dtype)
-    fmt = _choose_format(model, quantize, dev)
-    filler = _Filler(model, fmt, dtype, dev)
+    placed = _decide(model, quantize, dev, vram_budget=vram_budget)
+    fmt = placed.fmt
+    filler = _Filler(model, fmt, dtype, dev, placed.streamed)
     if random_weights:
         _fill_random(filler, seed)
     else:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal_plan.census import BlockCensus, ModelCensus
 from tidal_plan.hardware import HardwareProfile
@@ -90,6 +91,9 @@ class Context:
     """Tokens per sequence for attention's work (0: all ``tokens`` are one sequence)."""
     loss_chunk: int | None = None
     """Tokens per chunk of a chunked loss, or None when the full logits are built."""
+    matmul_cache: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Forward and backward matmul seconds per block index (-1: outside the stack); fixed by the census,
+    the profile and the tokens, so computed once per search."""
 
 
 @dataclass
@@ -238,6 +242,20 @@ class GpuTime:
     """Backward before the first block's: the loss and the layers after the stack (the LM head)."""
     block_backward_s: tuple[float, ...] = ()
     """Backward seconds of each block (host dispatch waits and recompute included), by block index."""
+    block_forward_s: tuple[float, ...] = ()
+    """Forward seconds of each block (host dispatch waits included), by block index."""
+    _prefix: tuple[float, ...] = field(default=(), repr=False, compare=False)  # forward_before's sums
+
+    @property
+    def forward_s(self) -> float:
+        """Forward seconds (the stack, the head and the loss's forward share)."""
+        return self.total_s - self.backward_s - self.parts.get("gpu_adamw", 0.0)
+
+    def forward_before(self, i: int) -> float:
+        """Forward seconds before block ``i`` starts (embeddings are a gather: not counted)."""
+        if len(self._prefix) != len(self.block_forward_s) + 1:
+            self._prefix = (0.0, *itertools.accumulate(self.block_forward_s))
+        return self._prefix[i]
 
 
 def _matmul_rate(ctx: Context) -> float:
@@ -276,6 +294,22 @@ def _matmuls_s(
     return fwd, bwd
 
 
+def _block_matmuls_s(ctx: Context, index: int) -> tuple[float, float]:
+    """:func:`_matmuls_s` of block ``index`` (-1: the layers outside the stack), cached in ``ctx``."""
+    got = ctx.matmul_cache.get(index)
+    if got is None:
+        c = ctx.census
+        if index < 0:
+            got = _matmuls_s(
+                ctx, c.outside_matmul_shapes, c.outside_matmul_params, c.outside_quantizable_params
+            )
+        else:
+            b = c.blocks[index]
+            got = _matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
+        ctx.matmul_cache[index] = got
+    return got
+
+
 def gpu_time(ctx: Context, s: State) -> GpuTime:
     """GPU seconds of one step under ``s``: matmuls by the roofline of their GEMM shapes, attention's
     T x T work, memory-bound elementwise work, the loss over the logits, kernel overheads, dequantizing
@@ -292,12 +326,13 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
     )
     fwd_total = bwd_total = recompute = 0.0
     block_bwd = [0.0] * len(c.blocks)
+    block_fwd = [0.0] * len(c.blocks)
     # A GPU runs kernels while the host dispatches the next ones: the longer of the two bounds a block's
     # pass. A CPU stand-in runs each kernel on the dispatching thread: the two add up.
     overlapped = prof.device_kind == "cuda"
     for b in c.blocks:
         passes = 2 if s.act[b.index] == "recompute" else 1  # recompute repeats the forward in backward
-        mm_f, mm_b = _matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
+        mm_f, mm_b = _block_matmuls_s(ctx, b.index)
         att = 4 * t * b.attention_width * ctx_avg / (ATTENTION_EFFICIENCY * peak)  # QK^T and AV
         ew = ELEMENTWISE_BYTES_PER_SAVED_BYTE * b.activation_bytes_per_token * t / hbm
         other = max(0, b.forward_kernels - len(b.matmul_shapes)) * KERNEL_OVERHEAD_S
@@ -321,9 +356,10 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
         fwd_total += f + wait_f
         bwd_total += b_gpu + wait_b
         block_bwd[b.index] = b_gpu + wait_b
+        block_fwd[b.index] = f + wait_f
         recompute += (passes - 1) * f
     out_frozen = c.outside_quantizable_params
-    mm_f, mm_b = _matmuls_s(ctx, c.outside_matmul_shapes, c.outside_matmul_params, out_frozen)
+    mm_f, mm_b = _block_matmuls_s(ctx, -1)
     vocab = max((n for _, n, _ in c.outside_matmul_shapes), default=0)
     loss = LOSS_BYTES_PER_LOGIT * t * vocab / hbm
     dq = out_frozen * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0  # a stored LM head
@@ -344,6 +380,7 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
         parts=parts,
         head_backward_s=head_bwd,
         block_backward_s=tuple(block_bwd),
+        block_forward_s=tuple(block_fwd),
     )
 
 
@@ -356,18 +393,25 @@ def host_update_rate(ctx: Context, moment: str) -> float:
     return prof.host_adamw_params_per_s * HOST_ADAMW_PROFILED_BYTES / nbytes
 
 
-def exposed_host_update_s(ctx: Context, s: State, gpu: GpuTime, rate: float, d2h_rate: float) -> float:
-    """Seconds the host update adds to the step beyond the GPU's backward and its own AdamW.
+def exposed_host_update_s(
+    ctx: Context, s: State, gpu: GpuTime, rate: float, d2h_rate: float, h2d_rate: float | None = None
+) -> float:
+    """Seconds the host update adds to the step: how long the next forward waits for it.
 
     Backward runs the LM head first, then the blocks from last to first, then the embeddings. Each
     host-updated block's gradient crosses the link when its backward ends (one copy stream, in order);
-    the host worker updates the blocks one after another as their gradients land. The next forward needs
-    block 0 (and the embeddings) first, which land last, so it waits for the whole queue: what the
-    worker finishes after the GPU's backward and its AdamW is exposed. Blocks 0..k on the host thus
-    overlap only the backward of the blocks below them; blocks n-1.. overlap nearly all of it.
+    the host worker updates the blocks one after another as their gradients land. After backward the GPU
+    runs its own AdamW, then the next forward, which reads a host-updated weight only when it reaches its
+    module: a resident block ``i`` waits for its update and the new weight's copy back (``h2d_rate``)
+    at the forward time of blocks ``0..i-1``; a streamed block's refill, issued ``prefetch_depth`` blocks
+    ahead, waits for its update on the host; the embeddings (and a head tied to them) are read first,
+    an untied head last. The largest lateness is exposed. Host-updated blocks at the top of the stack
+    thus overlap nearly all of backward and the next forward up to them; at the bottom, neither.
     """
-    c = ctx.census
-    jobs: list[tuple[float, int, int]] = []  # (gradient ready on the GPU, parameters, gradient bytes)
+    c, n_blocks = ctx.census, len(ctx.census.blocks)
+    h2d = h2d_rate or ctx.profile.h2d_gbps * 1e9
+    # (gradient ready on the GPU, parameters, gradient bytes, needed at in the next forward, bytes back)
+    jobs: list[tuple[float, int, int, float, int]] = []
     t = gpu.head_backward_s
     early = 0
     if not s.outside_opt_gpu and c.outside_trainable_params:
@@ -378,19 +422,67 @@ def exposed_host_update_s(ctx: Context, s: State, gpu: GpuTime, rate: float, d2h
                 sum(k * n for k, n, trains in c.outside_matmul_shapes if trains), c.outside_trainable_params
             )
         if early:
-            jobs.append((t, early, early * c.param_dtype_bytes))
+            nbytes = early * c.param_dtype_bytes
+            jobs.append((t, early, nbytes, gpu.forward_before(n_blocks), nbytes))
     for b in reversed(c.blocks):
         t += gpu.block_backward_s[b.index] if gpu.block_backward_s else 0.0
         if b.trainable_params and not s.opt_gpu[b.index]:
-            jobs.append((t, b.trainable_params, b.trainable_bytes))
+            if s.resident[b.index]:
+                need, back = gpu.forward_before(b.index), b.trainable_bytes
+            else:  # the refill copies the host copy the update wrote; its time is the link's
+                need, back = gpu.forward_before(max(0, b.index - ctx.depth)), 0
+            jobs.append((t, b.trainable_params, b.trainable_bytes, need, back))
     rest = 0 if s.outside_opt_gpu else c.outside_trainable_params - early
     if rest:
-        jobs.append((gpu.backward_s, rest, rest * c.param_dtype_bytes))
-    link = done = 0.0
-    for ready, params, nbytes in jobs:
+        nbytes = rest * c.param_dtype_bytes
+        jobs.append((gpu.backward_s, rest, nbytes, 0.0, nbytes))
+    forward_starts = gpu.backward_s + gpu.parts["gpu_adamw"]
+    link = done = late = 0.0
+    for ready, params, nbytes, need, back in jobs:
         link = max(link, ready) + nbytes / d2h_rate  # the gradient on the host
         done = max(done, link) + params / rate  # the worker takes the jobs in landing order
-    return max(0.0, done - (gpu.backward_s + gpu.parts["gpu_adamw"]))
+        late = max(late, done + back / h2d - (forward_starts + need))
+    return late
+
+
+def _link_s(h2d: float, d2h: float, rates: tuple[float, float, float]) -> float:
+    """Seconds the link needs for ``h2d`` and ``d2h`` bytes at (H2D, D2H, both-ways) rates."""
+    return max(h2d / rates[0], d2h / rates[1], (h2d + d2h) / rates[2])
+
+
+def activation_offload_exposed_s(
+    ctx: Context,
+    s: State,
+    gpu: GpuTime,
+    streamed_bytes: int,
+    grad_bytes: int,
+    rates: tuple[float, float, float],
+) -> float:
+    """Seconds offloaded activations add to the step, on top of the weights' and gradients' transfers.
+
+    Unlike streamed weights, whose copies the pooled link count spreads over the whole step, an
+    offloaded activation crosses in a fixed phase: to the host during forward (beside the first fetch of
+    each streamed block) and back during backward (beside the second fetch and the gradients going to
+    the host). Each phase's link time beyond its compute is exposed; the activations' share is the
+    exposure with them minus the exposure without them. Backward also starts with a fetch: the last
+    offloaded block's activations return while the head and the blocks above it run backward.
+    """
+    c = ctx.census
+    off = [b for b in c.blocks if s.act[b.index] == "offload"]
+    if not off:
+        return 0.0
+    act = sum(b.activation_bytes_per_token for b in off) * ctx.tokens
+    fwd, bwd = gpu.forward_s, gpu.backward_s
+
+    def exposed(a: int) -> float:
+        return max(0.0, _link_s(streamed_bytes, a, rates) - fwd) + max(
+            0.0, _link_s(streamed_bytes + a, grad_bytes, rates) - bwd
+        )
+
+    last = off[-1]
+    before = gpu.head_backward_s + sum(gpu.block_backward_s[last.index + 1 :])
+    fill = max(0.0, last.activation_bytes_per_token * ctx.tokens / rates[0] - before)
+    return exposed(act) - exposed(0) + fill
 
 
 def evaluate(ctx: Context, s: State) -> Evaluation:
@@ -470,14 +562,21 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     h2d_rate = prof.h2d_gbps * 1e9 * (1 - slow + slow * PAGEABLE_RATE_SHARE)
     d2h_rate = prof.d2h_gbps * 1e9 * (1 - slow + slow * PAGEABLE_RATE_SHARE)
     bidir_rate = prof.bidir_gbps * 1e9 * (1 - slow + slow * PAGEABLE_RATE_SHARE)
-    transfer_s = max(h2d / h2d_rate, d2h / d2h_rate, (h2d + d2h) / bidir_rate)
-    fill_s = (sb[streamed[0]] / h2d_rate) if streamed else 0.0
-    exposed_transfer_s = max(0.0, transfer_s - compute_s) + min(fill_s, transfer_s)
+    rates = (h2d_rate, d2h_rate, bidir_rate)
+    transfer_s = _link_s(h2d, d2h, rates)
+    # Weights and gradients: their copies spread over the step; the first streamed block's fetch overlaps
+    # only the forward of the resident blocks before it. Offloaded activations cross in fixed phases (see
+    # their function); all traffic together never hides in less than the link's time for it.
+    fill_s = max(0.0, sb[streamed[0]] / h2d_rate - gpu.forward_before(streamed[0])) if streamed else 0.0
+    pooled_s = _link_s(h2d - offload_bytes, d2h - offload_bytes, rates)
+    offload_s = activation_offload_exposed_s(ctx, s, gpu, sum(sb.values()), host_grads, rates)
+    exposed_transfer_s = max(transfer_s - compute_s, max(0.0, pooled_s - compute_s) + offload_s, 0.0)
+    exposed_transfer_s += min(fill_s, pooled_s)
 
     hosted = sum(b.trainable_params for b in host_opt) + (0 if s.outside_opt_gpu else out_train)
     adamw_rate = host_update_rate(ctx, s.moment)
     host_adamw_s = hosted / adamw_rate
-    exposed_opt_s = exposed_host_update_s(ctx, s, gpu, adamw_rate, d2h_rate) if hosted else 0.0
+    exposed_opt_s = exposed_host_update_s(ctx, s, gpu, adamw_rate, d2h_rate, h2d_rate) if hosted else 0.0
     step_s = compute_s + exposed_transfer_s + exposed_opt_s
     costs = {"compute": compute_s, "pcie": transfer_s, "host_adamw": host_adamw_s}
     bound = max(costs, key=lambda k: costs[k])

@@ -26,7 +26,8 @@ class OptimizerPlan:
     moment_dtype: Literal["fp32", "bf16"]
     """dtype of the two AdamW moments."""
     gpu_blocks: tuple[int, ...]
-    """Blocks whose optimizer state and update stay on the GPU."""
+    """Blocks whose optimizer state and update stay on the GPU: in plans of :func:`tidal_plan.plan`, the
+    first trained blocks, so the host updates the last ones, whose gradients land first in backward."""
     outside_on_gpu: bool
     """Whether the trainable parameters outside the stack (if any) update on the GPU."""
     gpu_state_bytes: int
@@ -70,7 +71,10 @@ class StepPrediction:
     transfer_s: float
     """All PCIe traffic of a step at the measured rates."""
     exposed_transfer_s: float
-    """The part of the transfers that compute cannot hide (plus the first fetch)."""
+    """The part of the transfers that compute cannot hide: streamed weights and gradients against the
+    step's compute, offloaded activations against the phase they cross in (to the host in forward, back
+    in backward), never less than the link's time for all of it beyond the compute; plus the first
+    streamed block's fetch where the forward before it cannot hide it."""
     host_adamw_s: float
     """Host AdamW time for the host-updated parameters."""
     exposed_optimizer_s: float

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 from tidal_plan.census import ModelCensus
 from tidal_plan.config import FORMATS, PlanConfig
@@ -20,32 +19,20 @@ from tidal_plan.cost import (
 from tidal_plan.errors import InfeasiblePlan, PlanConfigError
 from tidal_plan.hardware import HardwareProfile
 from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan
+from tidal_plan.search import ACT_ORDER, Fixed, maximal, minimal, search
 from tidal_plan.units import GiB, MiB, format_bytes
 
 __all__ = ["plan"]
 
 logger = logging.getLogger(__name__)
 
-# A step that improves by less than this share is not worth more VRAM under prefer="memory".
-MEMORY_PREFER_MIN_GAIN = 0.02
 # With quantize="auto" and prefer="speed", a smaller storage format must shorten the step this much.
 SPEED_PREFER_MIN_GAIN = 0.10
 
 
-@dataclass
-class _Fixed:
-    """User-forced decisions per block (None = the planner decides)."""
-
-    resident: list[bool | None]
-    act_allowed: list[list[str]]  # activation modes allowed per block, in _ACT_ORDER
-    opt_gpu: bool | None
-
-
-_ACT_ORDER = ("offload", "recompute", "keep")
-
-
 def _share(value: object, n: int) -> set[int]:
-    """Blocks selected by a policy value (True, a fraction of the first blocks, or indices)."""
+    """Blocks selected by a policy value (True, a fraction of the first blocks, or indices). A fraction
+    takes the leading blocks, as ``tidal_stream`` reads the same options."""
     if value is True:
         return set(range(n))
     if isinstance(value, float):
@@ -55,7 +42,7 @@ def _share(value: object, n: int) -> set[int]:
     return set()
 
 
-def _fixed(config: PlanConfig, census: ModelCensus) -> _Fixed:
+def _fixed(config: PlanConfig, census: ModelCensus) -> Fixed:
     n = len(census.blocks)
     for opt in ("param_offload", "recompute"):
         v = getattr(config, opt)
@@ -71,7 +58,7 @@ def _fixed(config: PlanConfig, census: ModelCensus) -> _Fixed:
     reco = _share(config.recompute, n) if config.recompute != "auto" else None
     act_allowed = []
     for i in range(n):
-        allowed = list(_ACT_ORDER)
+        allowed = list(ACT_ORDER)
         if offl is not None:
             allowed = ["offload"] if i in offl else [a for a in allowed if a != "offload"]
         if reco is not None:
@@ -105,7 +92,7 @@ def _fixed(config: PlanConfig, census: ModelCensus) -> _Fixed:
             )
         for i in trained:
             resident[i] = True
-    return _Fixed(resident, act_allowed, opt_gpu)
+    return Fixed(resident, act_allowed, opt_gpu)
 
 
 def _ranges(indices: list[int]) -> str:
@@ -117,101 +104,6 @@ def _ranges(indices: list[int]) -> str:
         else:
             runs.append([i])
     return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-
-
-def _minimal(n: int, fmt: str, moment: str, fx: _Fixed, act_floor: str) -> State:
-    """Every block streamed, every update on the host, activations at ``act_floor`` where allowed."""
-    floor = _ACT_ORDER.index(act_floor)
-    act = [
-        next((a for a in allowed if _ACT_ORDER.index(a) >= floor), allowed[-1]) for allowed in fx.act_allowed
-    ]
-    resident = [r if r is not None else False for r in fx.resident]
-    return State(
-        fmt=fmt,
-        moment=moment,
-        resident=resident,
-        act=act,
-        opt_gpu=[bool(fx.opt_gpu) and r for r in resident],
-        outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else False,
-    )
-
-
-def _maximal(n: int, fmt: str, moment: str, fx: _Fixed) -> State:
-    """Every block resident unless forced to stream, updates on the GPU where the block is resident."""
-    resident = [r if r is not None else True for r in fx.resident]
-    return State(
-        fmt=fmt,
-        moment=moment,
-        resident=resident,
-        act=[allowed[-1] for allowed in fx.act_allowed],
-        opt_gpu=[(fx.opt_gpu if fx.opt_gpu is not None else True) and r for r in resident],
-        outside_opt_gpu=fx.opt_gpu if fx.opt_gpu is not None else True,
-    )
-
-
-def _moves(s: State, fx: _Fixed, census: ModelCensus) -> list[State]:
-    """The next upgrade of each kind (resident weights from the last block down; GPU optimizer likewise,
-    for a resident block, or together with residency for a streamed one; activation mode one step towards
-    keep from the first block up).
-
-    A block's optimizer moves to the GPU only with its weights resident: a streamed block's trainable
-    parameters update on the host (see [Note: streamed blocks update on the host]).
-    """
-    n = len(s.resident)
-    out = []
-    for i in reversed(range(n)):
-        if not s.resident[i] and fx.resident[i] is None:
-            t = s.copy()
-            t.resident[i] = True
-            out.append(t)
-            break
-    if fx.opt_gpu is None:
-        for i in reversed(range(n)):
-            if s.resident[i] and not s.opt_gpu[i] and census.blocks[i].trainable_params:
-                t = s.copy()
-                t.opt_gpu[i] = True
-                out.append(t)
-                break
-        # residency alone may not pay for itself where residency and the GPU update together do
-        for i in reversed(range(n)):
-            if not s.resident[i] and fx.resident[i] is None and census.blocks[i].trainable_params:
-                t = s.copy()
-                t.resident[i] = t.opt_gpu[i] = True
-                out.append(t)
-                break
-        if not s.outside_opt_gpu:
-            t = s.copy()
-            t.outside_opt_gpu = True
-            out.append(t)
-    # Activations: raise the lowest mode first (offload -> recompute everywhere before any keep).
-    upgradable = [i for i in range(n) if s.act[i] != fx.act_allowed[i][-1]]
-    if upgradable:
-        i = min(upgradable, key=lambda j: (_ACT_ORDER.index(s.act[j]), j))
-        allowed = fx.act_allowed[i]
-        t = s.copy()
-        t.act[i] = allowed[allowed.index(s.act[i]) + 1]
-        out.append(t)
-    return out
-
-
-def _search(ctx: Context, s: State, fx: _Fixed, prefer: str) -> tuple[State, Evaluation]:
-    """Greedy: take the upgrade that saves the most objective per VRAM byte, while it fits."""
-    ev = evaluate(ctx, s)
-    while True:
-        best: tuple[float, State, Evaluation] | None = None
-        for t in _moves(s, fx, ctx.census):
-            et = evaluate(ctx, t)
-            if et.vram_total > ctx.budget:
-                continue
-            gain = ev.objective - et.objective
-            if gain <= 0 or (prefer == "memory" and gain < MEMORY_PREFER_MIN_GAIN * ev.prediction.step_s):
-                continue
-            score = gain / max(1, et.vram_total - ev.vram_total)
-            if best is None or score > best[0]:
-                best = (score, t, et)
-        if best is None:
-            return s, ev
-        _, s, ev = best
 
 
 def _formats(config: PlanConfig, census: ModelCensus, profile: HardwareProfile) -> list[str]:
@@ -320,7 +212,9 @@ def plan(census: ModelCensus, profile: HardwareProfile, config: PlanConfig | Non
 
     Returns:
         The plan, with its predicted step time. Plain GPU AdamW with every block resident when everything
-        fits; otherwise the cheapest placement found by a greedy search over the cost model.
+        fits; otherwise the cheapest placement found by a search over the cost model
+        (:mod:`tidal_plan.search`): the host share of the optimizer and the streamed blocks on the last
+        blocks (see [Note: overlap order]), and per block the cheapest of keep / recompute / offload.
 
     Raises:
         InfeasiblePlan: When no placement fits the VRAM budget or host RAM, with the numbers and ways out.
@@ -368,7 +262,7 @@ def plan(census: ModelCensus, profile: HardwareProfile, config: PlanConfig | Non
 
 def _faster_format(
     ctx: Context,
-    fx: _Fixed,
+    fx: Fixed,
     config: PlanConfig,
     formats: list[str],
     found: tuple[State, Evaluation, list[str]],
@@ -377,7 +271,7 @@ def _faster_format(
     block resident) predicts a step at least ``SPEED_PREFER_MIN_GAIN`` shorter replaces a streaming plan."""
     best = found
     first = found[0]
-    all_resident = _Fixed([True if r is None else r for r in fx.resident], fx.act_allowed, fx.opt_gpu)
+    all_resident = Fixed([True if r is None else r for r in fx.resident], fx.act_allowed, fx.opt_gpu)
     for fmt in formats[formats.index(first.fmt) + 1 :]:
         for fixed in (fx, all_resident):
             alt = _try(ctx, fixed, config, fmt, first.moment, [])
@@ -401,11 +295,11 @@ def _faster_format(
 
 
 def _try(
-    ctx: Context, fx: _Fixed, config: PlanConfig, fmt: str, moment: str, failures: list
+    ctx: Context, fx: Fixed, config: PlanConfig, fmt: str, moment: str, failures: list
 ) -> tuple[State, Evaluation, list[str]] | None:
     n = len(ctx.census.blocks)
     notes: list[str] = []
-    full = _maximal(n, fmt, moment, fx)
+    full = maximal(n, fmt, moment, fx)
     ev_full = evaluate(ctx, full)
     if ev_full.vram_total <= ctx.budget and ev_full.host_total <= ctx.host_usable:
         return full, ev_full, notes
@@ -413,12 +307,12 @@ def _try(
     # spend the budget on weights before it sees that recomputing every block frees the link.
     results, smallest = [], None
     for floor in ("recompute", "offload"):
-        low = _minimal(n, fmt, moment, fx, floor)
+        low = minimal(n, fmt, moment, fx, floor)
         ev_low = evaluate(ctx, low)
         if smallest is None or ev_low.vram_total < smallest.vram_total:
             smallest = ev_low
         if ev_low.vram_total <= ctx.budget:
-            results.append(_search(ctx, low, fx, config.prefer))
+            results.append(search(ctx, low, fx, config.prefer))
     if not results:
         assert smallest is not None
         failures.append((fmt, moment, "vram", smallest))

@@ -16,10 +16,8 @@ block: no plan, weights resident, and the optimizer on the device when weights, 
 gradients take at most half of the budget (the rest is for activations), else on the host, with the
 measured refinement moving what fits (:func:`_no_plan_placement`).
 
-[Note: overlap order] backward lands the gradients of the last blocks first. A host update can only hide
-behind the backward (and, for late blocks, the next forward) that is still to run after its gradient
-lands, so a plan made by ``wrap()`` keeps the host share on the LAST trained blocks and the device share
-on the first ones (:func:`overlap_order`); on a stack of equal blocks this moves no byte of VRAM.
+Which blocks update on the host is the planner's choice: it keeps the host share on the last trained
+blocks, whose gradients land first in backward, so their updates overlap the rest of backward.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ __all__ = [
     "decide_placement",
     "device_share",
     "device_state_bytes",
-    "overlap_order",
     "promote_to_device",
     "refine_after_first_step",
     "widen_workspace",
@@ -99,58 +96,6 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
     return c, plan(c, profile, PlanConfig(**cfg))
 
 
-def overlap_order(p: Any) -> tuple[Any, str | None]:
-    """The plan with its host-optimizer (and streamed) blocks moved to the last trained blocks.
-
-    The host share keeps its size: the ``k`` host blocks become the last ``k`` trained blocks, whose
-    gradients land first in backward, and the ``j``-th streamed block becomes the ``j``-th new host block.
-    Done only when it moves no VRAM: a "split" plan whose trained blocks all have the same weight bytes
-    and whose streamed blocks all update on the host. Activation policies are untouched.
-
-    Returns:
-        ``(plan, note)``: the reordered plan and a sentence for the decision log, or the plan unchanged
-        and None (nothing to move, or the stack is not uniform).
-    """
-    import dataclasses
-
-    o = p.optimizer
-    if o.placement != "split":
-        return p, None
-    trained = [b for b in p.blocks if b.optimizer != "none"]
-    host = [b.index for b in trained if b.optimizer == "host"]
-    streamed = [b.index for b in p.blocks if b.weights == "streamed"]
-    k = len(host)
-    new_host = [b.index for b in trained][len(trained) - k :]
-    if not k or new_host == host:
-        return p, None
-    if len({b.weight_bytes for b in trained}) != 1 or not set(streamed) <= set(host):
-        return p, None
-    moved = dict(zip(host, new_host))  # old host block -> the block that takes its role
-    new_streamed = {moved[i] for i in streamed}
-    blocks = tuple(
-        dataclasses.replace(
-            b,
-            optimizer=b.optimizer if b.optimizer == "none" else ("host" if b.index in new_host else "gpu"),
-            weights="streamed" if b.index in new_streamed else "resident",
-        )
-        for b in p.blocks
-    )
-    gpu_blocks = tuple(b.index for b in blocks if b.optimizer == "gpu")
-    note = (
-        f"host optimizer moved from blocks {_ranges(host)} to {_ranges(new_host)} (their gradients land "
-        f"first in backward, so their host updates overlap the rest of backward and the next forward); "
-        f"streamed blocks {_ranges(streamed) or 'none'} -> {_ranges(sorted(new_streamed)) or 'none'}; "
-        "same bytes per tier"
-    )
-    out = dataclasses.replace(
-        p,
-        blocks=blocks,
-        optimizer=dataclasses.replace(o, gpu_blocks=gpu_blocks),
-        notes=(*p.notes, note),
-    )
-    return out, note
-
-
 def _ranges(idx: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     out: list[str] = []
@@ -208,9 +153,6 @@ def decide_placement(
             if opts.blocks is not None or e.option != "blocks":
                 raise  # blocks= was given and is wrong: the user must fix it
             return _no_plan_placement(session, model, opts, trainable, moment)
-        p, note = overlap_order(p)  # a plan given by the user is followed as it is
-        if note is not None:
-            session.record("placement", note)
     else:
         from tidal_plan import census
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The benchmarks behind the issues' numbers, on the GPU machine (torch, triton, transformers, peft, cupy
+# preinstalled; no network), in stages that each fit one 10-minute command and write at most eight files
+# under $OUT (or .gpu-results/):
+#
+#   bash tools/gpu-bench.sh stream    # full fine-tune 1.5B fp32 + bf16 moments, device/host AdamW, activation offload (~5 min)
+#   bash tools/gpu-bench.sh compare   # lora14b at 24 GiB, every engine side by side (needs .whl/, ~9 min)
+#   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
+#   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
+#   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
+#
+# Every step has its own time limit, so one that hangs or runs long costs its slot, not the stage. The
+# peers' wheels (bitsandbytes, TrainStream, DeepSpeed, BlockStreamer) install from .whl/ when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+out=${OUT:-$root/.gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+peers=/tmp/tidal-peers
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$peers" .whl/*.whl 2>/dev/null
+fi
+export PYTHONPATH="$(ls -d "$root"/packages/*/src | paste -sd:):$peers${PYTHONPATH:+:$PYTHONPATH}"
+
+step() {  # step SECONDS LOG -- command...: run with a limit, keep the output, say how it ended
+  local limit=$1 log=$2
+  shift 3
+  echo "== $* (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee -a "$out/$log" | tail -n 25
+  echo "== exit ${PIPESTATUS[0]}"
+}
+
+case "${1:-}" in
+  stream)
+    step 100 stream.log -- python3 benchmarks/stream/full_finetune.py --budget 24GiB --warmup 3 --steps 6 --json "$out/full1.5b-fp32.json"
+    step 80 stream.log -- python3 benchmarks/stream/full_finetune.py --budget 24GiB --warmup 3 --steps 6 --moment-dtype bf16 --json "$out/full1.5b-bf16.json"
+    step 60 stream.log -- python3 benchmarks/stream/device_adamw.py --json "$out/device-adamw.json"
+    step 60 stream.log -- python3 benchmarks/stream/host_adamw.py --json "$out/host-adamw.json"
+    step 60 stream.log -- python3 benchmarks/stream/activation_offload.py
+    ;;
+  compare)
+    step 560 compare.log -- python3 benchmarks/compare.py --scenario lora14b --vram-gb 24 --warmup 2 --steps 3 --deadline-s 540 --timeout 150 --out "$out/compare-lora14b.jsonl"
+    ;;
+  kv)
+    step 260 kv.log -- python3 benchmarks/kv/decode.py --out "$out/decode8b.jsonl"
+    step 90 kv.log -- python3 benchmarks/quant/table.py --skip-decode
+    ;;
+  dp)
+    step 40 dp.log -- python3 benchmarks/distributed/peer_copy.py --json "$out/peer-copy.json"
+    step 150 dp.log -- env TIDAL_REQUIRE_GPU=1 python3 -m pytest -m gpu -p tidal_testing.plugin -q packages/tidal-stream/tests/test_distributed.py tests-integration/distributed
+    step 200 dp.log -- python3 benchmarks/distributed/scaling.py --worlds 1,2 --json "$out/dp-scaling.json"
+    ;;
+  quality)
+    step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
+    ;;
+  *)
+    sed -n '2,11p' "$0"
+    exit 2
+    ;;
+esac

@@ -8,6 +8,7 @@
 #   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
+#   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #
 # Every step has its own time limit, so one that hangs or runs long costs its slot, not the stage. The
 # peers' wheels (bitsandbytes, TrainStream, DeepSpeed, BlockStreamer) install from .whl/ when present.
@@ -56,8 +57,11 @@ case "${1:-}" in
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
     ;;
+  micro)
+    step 540 micro.log -- python3 -m pytest -p tidal_testing.plugin benchmarks --benchmark-only -q --benchmark-json="$out/micro-h200.json"
+    ;;
   *)
-    sed -n '2,11p' "$0"
+    sed -n '2,12p' "$0"
     exit 2
     ;;
 esac

@@ -38,6 +38,9 @@ CONFIGS = {
 KNOWN: dict[tuple[str, str], str] = {}
 
 
+OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"
+
+
 class Fault(RuntimeError):
     """The injected exception."""
 
@@ -45,6 +48,8 @@ class Fault(RuntimeError):
 def _raise(kind: str) -> None:
     if kind == "exception":
         raise Fault("injected fault")
+    if kind == "oom":
+        raise torch.OutOfMemoryError(OOM_MESSAGE)
     raise KeyboardInterrupt
 
 
@@ -96,7 +101,8 @@ def _inject(model, where: str, kind: str, monkeypatch):
 
     def fail_now() -> None:
         # a KeyboardInterrupt reaches the main thread only; on the host worker it is any failure
-        _raise(kind if threading.current_thread() is threading.main_thread() else "exception")
+        on_main = threading.current_thread() is threading.main_thread()
+        _raise(kind if on_main or kind == "oom" else "exception")
 
     def failing(*args, **kwargs):
         calls[0] += 1

@@ -56,6 +56,7 @@ from tidal_stream._adamw_common import (
 from tidal_stream.adam_kernels import AdamHyper, UndoCopy, adam_update
 from tidal_stream.errors import StreamError
 from tidal_stream.hostmem import HostRequest
+from tidal_stream.oom import annotates_oom, note_step_done
 from tidal_stream.optimizer_device import DeviceUpdateMixin
 from tidal_stream.optimizer_reads import ReadGuardMixin
 from tidal_stream.optimizer_state import OffloadStateMixin
@@ -312,6 +313,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
             s.landing_free.set()
 
     # ------------------------------------------------------------------ backward path
+    @annotates_oom("a gradient hook (backward)")
     def _on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ship the gradient to host and free it on the device."""
         s = self._slots[id(p)]
@@ -408,7 +410,8 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
     ) -> None:
         with record_function("tidal::grad_land"):
             landed.synchronize()  # why: the D2H copy of this gradient must have finished
-            if not direct:
+            now = last and self.max_grad_norm is None and not self.delayed_update
+            if not direct and not now:
                 assert s.landing is not None
                 if micro == 0:
                     s.grad.copy_(s.landing)  # widen to fp32
@@ -419,8 +422,9 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
                 return
             if self.max_grad_norm is not None:
                 s.norm = torch.linalg.vector_norm(s.grad)
-            elif not self.delayed_update:
-                self._update_now(s, None, hyper, gen)
+            elif now:
+                # the update widens (or accumulates) the landed gradient block by block itself
+                self._update_now(s, None, hyper, gen, land=None if direct else micro > 0)
 
     def _update(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int) -> None:
         try:
@@ -429,13 +433,16 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
             self._failed_gen = gen  # the step whose updates the rollback undoes
             raise
 
-    def _update_now(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int) -> None:
+    def _update_now(
+        self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int, land: bool | None = None
+    ) -> None:
+        """Update ``s`` (``land``: its gradient is still in the landing buffer; True: add it to ``s.grad``)."""
         with record_function("tidal::host_adamw"):
             if s.h2d_event is not None:
                 s.h2d_event.synchronize()  # why: the previous copy back reads staging; don't overwrite it
             undo = self._journal(s, gen)  # the update copies the old state there, chunk by chunk
-            if coef is not None:
-                s.grad.mul_(coef)
+            # narrowed during the update when the weight goes back right after it
+            narrow = not self.delayed_update and s.host_weight is None and s.staging is not s.master
             adam_update(
                 s.master,
                 s.grad,
@@ -445,13 +452,19 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
                 hyper,
                 self._generator(torch.device("cpu")),
                 undo=undo,
+                landing=None if land is None else s.landing,
+                accumulate=bool(land),
+                grad_scale=coef,
+                narrow_to=s.staging if narrow else None,
             )
+            if land is not None:
+                s.landing_free.set()
             if self.delayed_update:
                 self._to_push.append(s)  # copied back in the next step()
             else:
-                self._push(s, s.consumed)
+                self._push(s, s.consumed, narrowed=narrow)
 
-    def _push(self, s: _Slot, after: StreamEvent | None) -> None:
+    def _push(self, s: _Slot, after: StreamEvent | None, narrowed: bool = False) -> None:
         """Copy the slot's new weight to the device on the H2D stream and publish its event."""
         with record_function("tidal::weight_h2d"):
             if s.host_weight is not None:
@@ -461,7 +474,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
                 s.host_weight.copy_(s.master)
                 s.ready.set()
                 return
-            if s.staging is not s.master:
+            if s.staging is not s.master and not narrowed:
                 s.staging.copy_(s.master)  # narrow fp32 -> the parameter's dtype on the host
             streams = self.session.streams
             if after is not None:
@@ -473,6 +486,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
             s.ready.set()
 
     # ------------------------------------------------------------------ step
+    @annotates_oom("optimizer.step()")
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One micro-step: on the last of ``accumulation_steps``, queue every update and return."""
@@ -503,6 +517,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
         if self._after_first_update is not None:
             callback, self._after_first_update = self._after_first_update, None
             callback()
+        note_step_done(self.session)  # the out-of-memory note reports this step's peak
         return loss
 
     def _push_pending(self) -> None:
@@ -529,6 +544,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
         self.last_grad_norm = float(total)
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
 
+    @annotates_oom("optimizer.synchronize()", queued=True)
     def synchronize(self) -> None:
         """Block until every queued update has run and its weight is back on the device.
 

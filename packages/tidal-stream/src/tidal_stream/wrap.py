@@ -17,6 +17,7 @@ from torch import nn
 
 from tidal_stream.distributed import resolve_distributed, wrap_distributed
 from tidal_stream.errors import NotWrappedError, option_error
+from tidal_stream.oom import install_forward_note
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions
 from tidal_stream.placement import decide_placement, foreign_device_bytes, refine_after_first_step
@@ -174,6 +175,7 @@ def _install(
     # a model state_dict must see the updated weights, not ones still in flight
     session.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     session.handles += _streamed_state_dict_hooks(session, model)
+    session.handles.append(install_forward_note(session, model))  # OOM in forward: note + log (oom.py)
 
 
 def _streamed(session: Session, model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

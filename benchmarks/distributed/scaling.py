@@ -22,6 +22,13 @@ Streaming: LoRA streams ``--param-offload`` of the blocks' frozen weights from h
 under data parallel keeps trained weights resident (the sharded optimizer does not update streamed host
 copies; the decision log says so, and the JSON keeps that line).
 
+Peer pooling (LoRA): ``--peer-pooling on|off|auto`` (default off) sets ``DistributedConfig.peer_pooling``
+(on = True: the rate rule skipped) and ``--peer-pool-gib`` its ``peer_pool_bytes`` (VRAM per GPU taken
+from the budget for pooled blocks; default: the room the plan leaves). Run once with ``off`` and once with
+``on``/``auto`` (two ``--json`` files) to compare; each row shows whether pooling was on and the bytes per
+step that crossed the host link (``h2d GiB``) and came from a GPU (``pool GiB``); the decision line with
+the measured rates is printed under the table.
+
 Host RAM per rank: ``Rss`` and ``Pss`` of the whole process from ``/proc/self/smaps_rollup`` after the
 timed steps (Pss splits shared pages — the shared host copy, CUDA's own mappings — between the ranks).
 
@@ -43,6 +50,10 @@ import time
 
 import torch
 from torch import nn
+
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
+
+from bench_common import QWEN2_ARGS, add_qwen2_args, random_qwen2
 
 GiB = 2**30
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -67,34 +78,8 @@ class LoraLinear(nn.Module):
 def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
     """Qwen2ForCausalLM of the requested shape, bf16, seeded normal(0, 0.02) weights; LoRA on every
     projection when ``args.mode == "lora"`` (the base frozen)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(4096, args.seq),
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)  # the same weights on every rank
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    # non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty: rebuild them (under a
-    # device context: transformers 5.x dropped the rotary embedding's ``device`` argument)
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    model = random_qwen2(args, device, gen)
     if args.mode == "lora":
         model.requires_grad_(False)
         for layer in model.model.layers:
@@ -137,13 +122,21 @@ def rank_main(args: argparse.Namespace) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     lr = 2e-4 if args.mode == "lora" else 2e-5
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    options: dict = {"distributed": DistributedConfig(timeout=float(args.timeout))}
+    pool: dict = {}
+    if args.mode == "lora":
+        pool["peer_pooling"] = {"on": True, "off": False, "auto": "auto"}[args.peer_pooling]
+        if args.peer_pool_gib is not None:
+            pool["peer_pool_bytes"] = int(args.peer_pool_gib * GiB)
+    options: dict = {"distributed": DistributedConfig(timeout=float(args.timeout), **pool)}
     if not args.smoke:
         options["param_offload"] = args.param_offload if args.mode == "lora" else "auto"
     model, opt = tidal_stream.wrap(model, opt, **options)
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own rows of the global batch
     times = []
+    ws0: dict = {}
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            ws0 = dict(tidal_stream.memory_report(model).get("weight_streaming", {}))
         idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)  # [B, T]
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # why: the step's time starts with an idle device
@@ -157,7 +150,9 @@ def rank_main(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
     rep = tidal_stream.memory_report(model)
     d = rep["distributed"]
+    ws = rep.get("weight_streaming", {})
     step_s = statistics.median(times)
+    per_step = {k: (ws.get(k, 0) - ws0.get(k, 0)) / max(1, args.steps) for k in ("h2d_bytes", "source_bytes")}
     result = {
         "rank": rank,
         "world": world,
@@ -175,10 +170,14 @@ def rank_main(args: argparse.Namespace) -> None:
         "shared_host_bytes": d["shared_host"]["counted_bytes"] if "shared_host" in d else 0,
         "device_peak_bytes": rep.get("device_peak_bytes", 0),
         "host_ram": host_ram(),
+        "peer_pooling": d.get("peer_pooling", {"on": False}),
+        "h2d_bytes_per_step": per_step["h2d_bytes"],
+        "pool_bytes_per_step": per_step["source_bytes"],
         "decisions": [
             e["message"]
             for e in rep["events"]
             if e["kind"] in ("weights", "plan", "shared-host", "placement")
+            or e["message"].startswith("peer pooling")
         ],
     }
     tidal_stream.unwrap(model)
@@ -189,11 +188,13 @@ def rank_main(args: argparse.Namespace) -> None:
 def _forward(args: argparse.Namespace) -> list[str]:
     """The options a rank needs, as command-line arguments."""
     out = []
-    for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch"):
+    for k in (*QWEN2_ARGS, "batch"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     out += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lora-rank", str(args.lora_rank)]
     out += ["--param-offload", str(args.param_offload), "--threads", str(args.threads)]
-    out += ["--timeout", str(args.timeout)] + (["--smoke"] if args.smoke else [])
+    out += ["--timeout", str(args.timeout), "--peer-pooling", args.peer_pooling]
+    out += ["--peer-pool-gib", str(args.peer_pool_gib)] if args.peer_pool_gib is not None else []
+    out += ["--smoke"] if args.smoke else []
     return out
 
 
@@ -228,6 +229,9 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
                     "rss_gib_per_rank": [r["host_ram"]["rss"] / GiB for r in ranks],
                     "pss_gib_per_rank": [r["host_ram"]["pss"] / GiB for r in ranks],
                     "optimizer_host_gib_per_rank": [r["optimizer_host_bytes"] / GiB for r in ranks],
+                    "peer_pooling_on": all(r["peer_pooling"].get("on") for r in ranks),
+                    "h2d_gib_per_step": ranks[0]["h2d_bytes_per_step"] / GiB,
+                    "pool_gib_per_step": ranks[0]["pool_bytes_per_step"] / GiB,
                     "trainable": ranks[0]["trainable"],
                     "params": ranks[0]["params"],
                 }
@@ -236,7 +240,10 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'mode':<5} {'W':>2} {'step s':>8} {'tok/s/GPU':>10} {'eff':>5} {'AdamW s':>8} {'RSS GiB':>14} {'Pss GiB':>14}"
+    head = (
+        f"{'mode':<5} {'W':>2} {'step s':>8} {'tok/s/GPU':>10} {'eff':>5} {'AdamW s':>8} {'RSS GiB':>14} "
+        f"{'Pss GiB':>14} {'pool':>4} {'h2d GiB':>8} {'pool GiB':>8}"
+    )
     print(head)
     for r in rows:
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
@@ -244,7 +251,8 @@ def print_table(rows: list[dict]) -> None:
         pss = "/".join(f"{x:.2f}" for x in r["pss_gib_per_rank"])
         print(
             f"{r['mode']:<5} {r['world']:>2} {r['step_s']:>8.4f} {r['tokens_per_s_per_gpu']:>10.0f} {eff:>5} "
-            f"{r['host_adamw_s']:>8.4f} {rss:>14} {pss:>14}"
+            f"{r['host_adamw_s']:>8.4f} {rss:>14} {pss:>14} {'on' if r['peer_pooling_on'] else 'off':>4} "
+            f"{r['h2d_gib_per_step']:>8.3f} {r['pool_gib_per_step']:>8.3f}"
         )
 
 
@@ -255,19 +263,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("lora", "full"), default="lora", help="rank: what to train")
     ap.add_argument("--rank-dir", help="rank: where rank{R}.json goes (set by the driver)")
     ap.add_argument("--json", help="driver: write the rows and every rank's result here")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
+    add_qwen2_args(
+        ap, dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000, seq=1024)
+    )
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--param-offload", type=float, default=0.5, help="LoRA: fraction of blocks streamed")
     ap.add_argument("--threads", type=int, default=4, help="host threads per rank (AdamW)")
+    ap.add_argument(
+        "--peer-pooling",
+        choices=("on", "off", "auto"),
+        default="off",
+        help="LoRA: DistributedConfig.peer_pooling (on = True, off = False)",
+    )
+    ap.add_argument(
+        "--peer-pool-gib", type=float, default=None, help="LoRA: DistributedConfig.peer_pool_bytes, GiB"
+    )
     ap.add_argument("--timeout", type=int, default=300, help="seconds a collective waits for the others")
     ap.add_argument("--limit-s", type=int, default=540, help="driver: seconds one torchrun may take")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with gloo: checks the script")

@@ -36,6 +36,9 @@ import torch
 from torch import nn
 
 sys.path[:0] = [str(p) for p in (Path(__file__).resolve().parents[2] / "packages").glob("*/src")]
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
+
+from bench_common import markdown_table, random_blocks, sync  # noqa: E402
 
 from tidal_stream.activations import install_activation_policy  # noqa: E402
 
@@ -53,24 +56,6 @@ class MLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         n = self.norm(x)  # [T, H], saved by gate and up
         return x + self.down(nn.functional.silu(self.gate(n)) * self.up(n))  # [T, H]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build(h: int, f: int, n: int, device: torch.device, dtype: torch.dtype) -> nn.ModuleList:
-    with torch.device("meta"):
-        blocks = nn.ModuleList(MLPBlock(h, f) for _ in range(n))
-    blocks.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in blocks.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            else:
-                p.normal_(0, 0.02)
-    return blocks.to(dtype)
 
 
 def step(blocks: nn.ModuleList, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
@@ -127,7 +112,7 @@ def run(args: argparse.Namespace, act_mib: float) -> list[dict[str, Any]]:
     per_token = dtype.itemsize * (2 * h + 4 * f)  # x, n, gate, silu(gate), up, product: bytes saved
     tokens = args.tokens or max(64, int(act_mib * 2**20 / per_token) // 64 * 64)
     torch.manual_seed(0)
-    blocks = build(h, f, args.blocks, device, dtype)
+    blocks = random_blocks(lambda: MLPBlock(h, f), args.blocks, device, dtype)
     x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)  # [T, H]
     step(blocks, x, device)  # warm-up (allocator, kernels)
     ref = grads(blocks)
@@ -200,27 +185,23 @@ def run(args: argparse.Namespace, act_mib: float) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = [
-        "policy",
-        "prefetch",
-        "tokens",
-        "block_mib",
-        "fwd_ms",
-        "bwd_ms",
-        "peak_mib",
-        "d2h_gbps",
-        "h2d_gbps",
-        "raw_d2h_gbps",
-        "raw_h2d_gbps",
-        "fwd_eff",
-        "bwd_eff",
-        "host_allocs",
-        "demand_fetches",
-    ]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
+TABLE_COLUMNS = [
+    "policy",
+    "prefetch",
+    "tokens",
+    "block_mib",
+    "fwd_ms",
+    "bwd_ms",
+    "peak_mib",
+    "d2h_gbps",
+    "h2d_gbps",
+    "raw_d2h_gbps",
+    "raw_h2d_gbps",
+    "fwd_eff",
+    "bwd_eff",
+    "host_allocs",
+    "demand_fetches",
+]
 
 
 def main() -> None:
@@ -244,7 +225,7 @@ def main() -> None:
     rows = []
     for mib in args.act_mib:
         rows += run(args, mib)
-    print(table(rows))
+    print(markdown_table(rows, TABLE_COLUMNS))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

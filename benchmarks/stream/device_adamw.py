@@ -27,13 +27,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path[:0] = [str(p) for p in (Path(__file__).resolve().parents[2] / "packages").glob("*/src")]
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
+
+from bench_common import time_calls  # noqa: E402
 
 from tidal_stream import OffloadAdamW  # noqa: E402
 
@@ -68,24 +70,6 @@ def make_params(
         p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=g)
         ps.append(p)
     return ps
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_steps(step: Any, device: torch.device, warmup: int, repeat: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def run_mode(mode: str, shp: list[tuple[int, ...]], device: torch.device, args: argparse.Namespace) -> dict:
@@ -124,7 +108,7 @@ def run_mode(mode: str, shp: list[tuple[int, ...]], device: torch.device, args: 
         )  # fmt: skip
         step = opt.step
     try:
-        times = timed_steps(step, device, args.warmup, args.repeat)
+        times = time_calls(step, device, args.repeat, args.warmup)
     finally:
         optimizer_device._triton_refusal = refusal
     paths = []

@@ -34,66 +34,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
+
+from bench_common import add_qwen2_args, random_qwen2, sync, time_calls
+
 GiB = 2**30
-
-
-def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    """Qwen2ForCausalLM of the requested shape: meta init, then normal_(0, 0.02) on the device."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(4096, args.seq),
-        tie_word_embeddings=False,
-        use_cache=False,  # training: no KV cache (it would also grow during recomputation)
-    )
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    # non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty: rebuild them (under a
-    # device context: newer transformers 5.x dropped the rotary embedding's ``device`` argument)
-    rotary = model.model.rotary_emb
-    with torch.device(device):
-        model.model.rotary_emb = type(rotary)(config=cfg)
-    return model.train()
 
 
 def make_batch(args: argparse.Namespace, device: torch.device, step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)  # [B, T]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(fn, n: int, device: torch.device) -> list[float]:
-    out = []
-    for i in range(n):
-        sync(device)
-        t0 = time.perf_counter()
-        fn(i)
-        sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 class HostTimer:
@@ -112,25 +69,22 @@ class HostTimer:
         self.active = hasattr(opt, "_land") and hasattr(opt, inner)
         if not self.active:
             return
-        land, update = opt._land, getattr(opt, inner)
+        opt._land = self._timed(opt._land, "land_s")
+        setattr(opt, inner, self._timed(getattr(opt, inner), "update_s", counts_updates=True))
 
-        def timed_land(*a: object) -> None:
+    def _timed(self, fn: Any, total: str, counts_updates: bool = False) -> Any:
+        """``fn`` wrapped to add its wall seconds to the attribute ``total`` (and each call to ``updates``)."""
+
+        def run(*a: object, **kw: object) -> None:
             t0 = time.perf_counter()
             try:
-                land(*a)
+                fn(*a, **kw)  # keywords too: the optimizer calls ``_update_now(..., land=...)``
             finally:
-                self.land_s += time.perf_counter() - t0
+                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+                if counts_updates:
+                    self.updates += 1
 
-        def timed_update(*a: object) -> None:
-            t0 = time.perf_counter()
-            try:
-                update(*a)
-            finally:
-                self.update_s += time.perf_counter() - t0
-                self.updates += 1
-
-        opt._land = timed_land
-        setattr(opt, inner, timed_update)
+        return run
 
     def reset(self) -> None:
         self.land_s = self.update_s = 0.0
@@ -154,14 +108,10 @@ def main() -> None:
     ap.add_argument(
         "--budget", default="24GiB", help="VRAM budget (filler leaves this free); 'none' for no filler"
     )
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--intermediate", type=int, default=8960)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=151936)
+    add_qwen2_args(
+        ap, dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=151936, seq=512)
+    )
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -206,7 +156,7 @@ def main() -> None:
             f"filler {filler_bytes / GiB:.2f} GiB; free now {torch.cuda.mem_get_info(device)[0] / GiB:.2f} GiB"
         )
 
-    model = build_model(args, device)
+    model = random_qwen2(args, device, torch.Generator(device=device).manual_seed(0))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e9:.3f} B parameters, {args.layers} layers, batch {args.batch}x{args.seq}")
 
@@ -220,13 +170,13 @@ def main() -> None:
         )
 
     # 1. compute floor: forward + backward with the gradients dropped, no optimizer
-    def compute_only(i: int) -> None:
+    def compute_only() -> None:
         ids = make_batch(args, device, 0)
         loss_of(ids).backward()
         model.zero_grad(set_to_none=True)
 
-    compute_only(0)
-    floor = time_steps(compute_only, args.steps, device)
+    compute_only()
+    floor = time_calls(compute_only, device, args.steps)
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # wrap starts from a clean allocator, as in a fresh training process
@@ -255,7 +205,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     losses: list[float] = []
 
-    def train_step(i: int) -> None:
+    def train_step() -> None:
         ids = make_batch(args, device, 0)  # one batch, so a falling loss shows the updates land
         loss = loss_of(ids)
         loss.backward()
@@ -264,10 +214,10 @@ def main() -> None:
         losses.append(loss.detach())
 
     host_timer = HostTimer(opt)
-    time_steps(train_step, args.warmup, device)
+    time_calls(train_step, device, args.warmup)
     opt.synchronize()
     host_timer.reset()
-    steps = time_steps(train_step, args.steps, device)
+    steps = time_calls(train_step, device, args.steps)
     opt.synchronize()
     host_per_step = {
         "worker_busy_s": host_timer.land_s / args.steps,
@@ -304,7 +254,7 @@ def main() -> None:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            train_step(args.warmup + args.steps)
+            train_step()
             opt.synchronize()
         prof.export_chrome_trace(args.profile)
     peak = torch.cuda.max_memory_allocated(device) - filler_bytes if device.type == "cuda" else 0

@@ -14,8 +14,17 @@ buffer (the new weight going back). Timed over all tensors, median of ``--repeat
 - ``journal``: copying master and moments into undo buffers (what ``rollback=True`` adds per update);
 - ``path``: widen + adamw + narrow per tensor, as the worker runs it, on the main thread and on a
   worker thread (``path_worker``: the thread count torch uses there is printed);
-- ``path_chunked``: the same three operations cache-blocked, ``--chunk`` elements at a time
-  (bit-identical results, checked first: AdamW is elementwise);
+- ``path_chunked``: the same three operations in one pass of cache blocks of ``--chunk`` elements, as
+  ``tidal_stream.adam_kernels.adam_update(landing=, narrow_to=)`` runs them (the widened gradient in a
+  small reused scratch; bit-identical results, checked first: AdamW is elementwise);
+- ``path_undo`` / ``path_chunked_undo``: the same with ``rollback=True``'s undo copy (a separate pass
+  over master and moments before the update / folded into each block);
+- ``path_clip`` / ``path_chunked_clip``: from the widened fp32 gradient (clipping widens it on landing,
+  for the norm): scale by the clip coefficient, update, narrow (three passes / one blocked pass);
+- ``--sweep``: ``path_chunked`` again at each listed block size;
+- ``--hog N``: N busy processes spin during the timings (as the training thread and the driver's
+  threads load the host's cores during backward): blocked passes fork/join the intra-op threads more
+  often, and a fork/join waits for its slowest, possibly preempted, thread;
 - ``bf16_moments``: ``tidal_stream.adam_kernels.adam_update`` with bf16 moments (stochastic rounding),
   on ``--bf16-params`` elements (it is much slower; rate extrapolated).
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -37,11 +47,23 @@ import torch
 
 sys.path[:0] = [str(p) for p in (Path(__file__).resolve().parents[2] / "packages").glob("*/src")]
 
-from tidal_stream.adam_kernels import AdamHyper, adam_update  # noqa: E402
+from tidal_stream.adam_kernels import AdamHyper, UndoCopy, adam_update, default_block  # noqa: E402
 
+CLIP = torch.tensor(0.5)  # a clip coefficient (0-d, as the optimizer computes it)
 HYPER = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
 # host bytes moved per parameter by each piece (reads + writes)
-BYTES = {"widen": 2 + 4, "adamw": 28, "narrow": 4 + 2, "journal": 24, "path": 40, "path_chunked": 28}
+BYTES = {
+    "widen": 2 + 4,
+    "adamw": 28,
+    "narrow": 4 + 2,
+    "journal": 24,
+    "path": 40,
+    "path_chunked": 28,
+    "path_undo": 64,
+    "path_chunked_undo": 40,
+    "path_clip": 42,
+    "path_chunked_clip": 30,
+}
 
 
 def _buf(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -61,6 +83,7 @@ def make_slots(total: int, per: int, pin: bool, seed: int = 0) -> list[dict[str,
         s["staging"] = _buf(n, torch.bfloat16, pin)
         s["master"].normal_(0, 0.02, generator=g)
         s["landing"].copy_(torch.randn(n, generator=g) * 1e-3)
+        s["grad"].copy_(s["landing"])  # the widened gradient (what ``path_clip`` starts from)
         s["m"].copy_(torch.randn(n, generator=g) * 1e-4)
         s["v"].copy_(torch.rand(n, generator=g) * 1e-8)
         s["step"] = torch.tensor(3.0)
@@ -116,14 +139,46 @@ def path(slots: list[dict]) -> None:
         s["staging"].copy_(s["master"])
 
 
+def path_undo(slots: list[dict]) -> None:
+    for s in slots:
+        s["grad"].copy_(s["landing"])
+        for k in ("master", "m", "v"):
+            s["u_" + k].copy_(s[k])
+        _fused(s)
+        s["staging"].copy_(s["master"])
+
+
+def path_clip(slots: list[dict]) -> None:
+    for s in slots:
+        s["grad"].mul_(CLIP)
+        _fused(s)
+        s["staging"].copy_(s["master"])
+
+
+def _lib(s: dict[str, torch.Tensor], chunk: int, undo: bool = False, clip: bool = False) -> None:
+    """One slot through ``adam_update`` at the step ``_fused`` uses (it increments the count first)."""
+    u = UndoCopy(s["u_master"], s["u_m"], s["u_v"]) if undo else None
+    s["step"].sub_(1)
+    adam_update(
+        s["master"], s["grad"], s["m"], s["v"], s["step"], HYPER, None, u,
+        landing=None if clip else s["landing"], grad_scale=CLIP if clip else None,
+        narrow_to=s["staging"], block=chunk or None,
+    )  # fmt: skip
+
+
 def path_chunked(slots: list[dict], chunk: int) -> None:
     for s in slots:
-        n = s["master"].numel()
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            s["grad"][lo:hi].copy_(s["landing"][lo:hi])
-            _fused(s, lo, hi)
-            s["staging"][lo:hi].copy_(s["master"][lo:hi])
+        _lib(s, chunk)
+
+
+def path_chunked_undo(slots: list[dict], chunk: int) -> None:
+    for s in slots:
+        _lib(s, chunk, undo=True)
+
+
+def path_chunked_clip(slots: list[dict], chunk: int) -> None:
+    for s in slots:
+        _lib(s, chunk, clip=True)
 
 
 def in_thread(fn: Any, *args: Any) -> tuple[float, int]:
@@ -142,29 +197,39 @@ def in_thread(fn: Any, *args: Any) -> tuple[float, int]:
     return out["s"], out["threads"]
 
 
-def timed(fn: Any, repeat: int, *args: Any) -> float:
-    times = []
+def timed_rounds(cases: list[tuple[str, Any, tuple]], repeat: int, slots: list[dict]) -> dict[str, float]:
+    """Median seconds of each case; the cases take turns in every round (drifting load hits all alike)."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn, extra in cases:
+            t0 = time.perf_counter()
+            fn(slots, *extra)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def check_chunked(per: int, chunk: int, pin: bool) -> None:
-    """Cache-blocked and whole-tensor paths give bit-identical masters, moments and staging."""
-    a, b = make_slots(per, per, pin, seed=1), make_slots(per, per, pin, seed=1)
-    path(a)
-    path_chunked(b, chunk)
-    for k in ("master", "m", "v", "staging"):
-        assert torch.equal(a[0][k], b[0][k]), f"chunked path differs in {k}"
+    """Cache-blocked and whole-tensor paths give bit-identical masters, moments, staging and undo copies."""
+    for whole, blocked in (
+        (path, path_chunked),
+        (path_undo, path_chunked_undo),
+        (path_clip, path_chunked_clip),
+    ):
+        a, b = make_slots(per, per, pin, seed=1), make_slots(per, per, pin, seed=1)
+        whole(a)
+        blocked(b, chunk)
+        keys = ("master", "m", "v", "staging") + (("u_master", "u_m", "u_v") if whole is path_undo else ())
+        for k in keys:
+            assert torch.equal(a[0][k], b[0][k]), f"{blocked.__name__} differs in {k}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=468e6)
     ap.add_argument("--tensor", type=int, default=1536 * 8960)
-    ap.add_argument("--chunk", type=int, default=1 << 18)
+    ap.add_argument("--chunk", type=int, default=0, help="block elements; 0: adam_update's default")
+    ap.add_argument("--sweep", default="", help="comma-separated block sizes to time path_chunked at")
+    ap.add_argument("--hog", type=int, default=0, help="busy processes spinning during the timings")
     ap.add_argument("--bf16-params", type=float, default=20e6)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0: torch's default")
@@ -182,15 +247,28 @@ def main() -> None:
     path(slots)  # first touch of every page
     res: dict[str, Any] = {"params": total, "tensor": args.tensor, "pinned": pin}
     res["threads_main"] = torch.get_num_threads()
-    for name, fn, extra in (
+    res["block"] = args.chunk or default_block(torch.empty(1))
+    sweep = [int(c) for c in args.sweep.split(",") if c]
+    cases = [
         ("widen", widen, ()),
         ("adamw", adamw, ()),
         ("narrow", narrow, ()),
         ("journal", journal, ()),
         ("path", path, ()),
         ("path_chunked", path_chunked, (args.chunk,)),
-    ):
-        res[name] = timed(fn, args.repeat, slots, *extra)
+        ("path_undo", path_undo, ()),
+        ("path_chunked_undo", path_chunked_undo, (args.chunk,)),
+        ("path_clip", path_clip, ()),
+        ("path_chunked_clip", path_chunked_clip, (args.chunk,)),
+    ] + [(f"path_chunked@{c}", path_chunked, (c,)) for c in sweep]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    try:
+        res.update(timed_rounds(cases, args.repeat, slots))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    res["hog"] = args.hog
     worker = [in_thread(path, slots) for _ in range(args.repeat)]
     res["path_worker"] = statistics.median(s for s, _ in worker)
     res["threads_worker"] = worker[0][1]
@@ -206,14 +284,22 @@ def main() -> None:
     print(
         f"host AdamW pieces over {total / 1e6:.0f} M params in tensors of {args.tensor / 1e6:.1f} M "
         f"({'pinned' if pin else 'pageable'}); intra-op threads: main {res['threads_main']}, "
-        f"worker thread {res['threads_worker']}"
+        f"worker thread {res['threads_worker']}; busy processes: {args.hog}; block {res['block']}"
     )
-    for k in ("widen", "adamw", "narrow", "journal", "path", "path_worker", "path_chunked", "bf16_moments"):
-        gbps = BYTES.get(k.replace("_worker", ""), 0) * total / res[k] / 1e9
+    names = [n for n, _, _ in cases[:5]] + ["path_worker"] + [n for n, _, _ in cases[5:]] + ["bf16_moments"]
+    for k in names:
+        gbps = BYTES.get(k.replace("_worker", "").split("@")[0], 0) * total / res[k] / 1e9
         print(
-            f"  {k:<13} {res[k] * 1e3:9.1f} ms  {total / res[k] / 1e9:6.2f} G params/s"
+            f"  {k:<24} {res[k] * 1e3:9.1f} ms  {total / res[k] / 1e9:6.2f} G params/s"
             + (f"  {gbps:6.1f} GB/s" if gbps and k != "bf16_moments" else "")
         )
+    for whole, blocked in (
+        ("path", "path_chunked"),
+        ("path_undo", "path_chunked_undo"),
+        ("path_clip", "path_chunked_clip"),
+    ):
+        res[f"speedup_{blocked}"] = res[whole] / res[blocked]
+        print(f"  {blocked} / {whole}: {res[whole] / res[blocked]:.2f}x faster")
     print("RESULT " + json.dumps(res))
     if args.json:
         with open(args.json, "w") as f:

@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,9 @@ import torch
 from torch import nn
 
 sys.path[:0] = [str(p) for p in (Path(__file__).resolve().parents[2] / "packages").glob("*/src")]
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
+
+from bench_common import markdown_table, random_blocks, time_calls  # noqa: E402
 
 from tidal_stream.streamed_blocks import StreamedBlocks  # noqa: E402
 
@@ -51,31 +53,9 @@ class MLPBlock(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Any, device: torch.device, reps: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def build(h: int, n: int, device: torch.device, dtype: torch.dtype) -> nn.ModuleList:
-    with torch.device("meta"):
-        blocks = nn.ModuleList(MLPBlock(h) for _ in range(n))
-    blocks.to_empty(device=device)
-    with torch.no_grad():
-        for p in blocks.parameters():
-            p.normal_(0, 0.02)
-    return blocks.to(dtype)
+def median_time(fn: Any, device: torch.device, reps: int) -> float:
+    """Median seconds of ``reps`` synchronized calls of ``fn`` after one warm-up call."""
+    return statistics.median(time_calls(fn, device, reps, warmup=1))
 
 
 def forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +70,9 @@ def run_hidden(
 ) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    blocks = build(h, args.blocks, device, dtype)
+    blocks = random_blocks(lambda: MLPBlock(h), args.blocks, device, dtype)
     xs = {t: torch.randn(t, h, device=device, dtype=dtype) for t in tokens}
-    resident = {t: timed(lambda t=t: forward(blocks, xs[t]), device, args.reps) for t in tokens}
+    resident = {t: median_time(lambda t=t: forward(blocks, xs[t]), device, args.reps) for t in tokens}
     expect = {t: forward(blocks, xs[t]) for t in tokens}
     rows = []
     sb = StreamedBlocks(blocks, device, prefetch_ahead=prefetch[0])
@@ -102,7 +82,7 @@ def run_hidden(
         with sb.gathered(writeback=False):
             pass
 
-    t_h2d = timed(copy_all, device, args.reps)
+    t_h2d = median_time(copy_all, device, args.reps)
     for k in prefetch:
         sb.prefetch_ahead = k
         for t in tokens:
@@ -110,7 +90,7 @@ def run_hidden(
             if not torch.equal(got, expect[t]):
                 raise SystemExit(f"streamed forward differs from resident at H={h} T={t} k={k}")
             sb.reset_stats()
-            t_str = timed(lambda t=t: forward(blocks, xs[t]), device, args.reps)
+            t_str = median_time(lambda t=t: forward(blocks, xs[t]), device, args.reps)
             st = sb.stats()
             row = {
                 "hidden": h,
@@ -136,24 +116,20 @@ def run_hidden(
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = [
-        "hidden",
-        "tokens",
-        "prefetch",
-        "block_mib",
-        "t_resident_ms",
-        "t_streamed_ms",
-        "t_h2d_ms",
-        "sustained_gbps",
-        "copy_gbps",
-        "overlap",
-        "compute_ge_transfer",
-        "stall_ms_per_fwd",
-    ]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
+TABLE_COLUMNS = [
+    "hidden",
+    "tokens",
+    "prefetch",
+    "block_mib",
+    "t_resident_ms",
+    "t_streamed_ms",
+    "t_h2d_ms",
+    "sustained_gbps",
+    "copy_gbps",
+    "overlap",
+    "compute_ge_transfer",
+    "stall_ms_per_fwd",
+]
 
 
 def main() -> None:
@@ -180,7 +156,7 @@ def main() -> None:
     rows = []
     for h in args.hidden:
         rows += run_hidden(h, args.tokens, args.prefetch, args)
-    print(table(rows))
+    print(markdown_table(rows, TABLE_COLUMNS))
     for h in args.hidden:
         for k in args.prefetch:
             cross = [

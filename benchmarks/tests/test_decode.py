@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidal_testing import torch_threads
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv"))
 
 import decode
@@ -19,10 +21,8 @@ LLAMA3_8B = dw.Shape(layers=32, kv_heads=8, head_dim=128, heads=32)
 
 @pytest.fixture(autouse=True)
 def _few_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def test_llama3_8b_kv_estimates() -> None:

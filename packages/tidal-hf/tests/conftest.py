@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from tidal_hf.shapes import TINY_ARCHS, tiny_config
+from tidal_testing import torch_threads
 
 
 @pytest.fixture(autouse=True)
 def _few_threads():
     # the CI machine is shared: keep each test on few host threads
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+    with torch_threads(2):
+        yield
 
 
 def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

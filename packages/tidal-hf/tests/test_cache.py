@@ -11,7 +11,7 @@ import transformers
 from tidal_hf import OptionError, UnsupportedModelError
 from tidal_hf.cache import TidalCache, generate_kwargs_for_cache
 from tidal_kv import KVConfigError
-from tidal_testing import devices
+from tidal_testing import devices, torch_threads
 
 # tiny shapes; fp32 so CPU greedy decoding is deterministic
 _COMMON = dict(
@@ -22,10 +22,8 @@ _COMMON = dict(
 
 @pytest.fixture(autouse=True)
 def _few_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def _model(kind: str, device: str):

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from tidal_testing import torch_threads
+
 
 @pytest.fixture(autouse=True)
 def _few_threads_and_seed():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(prev)
+    with torch_threads(2):
+        torch.manual_seed(0)
+        yield

@@ -465,6 +465,25 @@ def _row_scale(amax, s_ptr, row, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(x_ptr, c_ptr, row, stride_x, kt, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``kt`` of row ``row``: fp32 ``x`` (times the column scales ``c`` with ``HAS_C``) [BLOCK], its
+    column offsets and their mask (columns past ``K`` read as 0)."""
+    offs = kt * BLOCK + tl.arange(0, BLOCK)
+    m = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_C:
+        x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+    return x, offs, m
+
+
+@triton.jit
+def _store_e4m3(q_ptr, row, x, offs, m, scale, K: tl.constexpr):
+    """``x / scale`` clamped to ±448, cast to the codes' dtype, stored at row ``row`` of ``q``."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rows_fp8_kernel(
     x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -472,32 +491,18 @@ def _rows_fp8_kernel(
     # that fits one tile (K <= BLOCK) is read once and kept in registers between the two
     row = tl.program_id(0).to(tl.int64)
     if K <= BLOCK:
-        offs = tl.arange(0, BLOCK)
-        m = offs < K
-        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-        if HAS_C:
-            x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+        x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, 0, K, HAS_C, BLOCK)
         scale = _row_scale(tl.abs(x), s_ptr, row, BLOCK)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
+        _store_e4m3(q_ptr, row, x, offs, m, scale, K)
     else:
         amax = tl.zeros((BLOCK,), tl.float32)
         for kt in range(0, (K + BLOCK - 1) // BLOCK):
-            offs = kt * BLOCK + tl.arange(0, BLOCK)
-            m = offs < K
-            x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-            if HAS_C:
-                x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
+            x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, kt, K, HAS_C, BLOCK)
             amax = tl.maximum(amax, tl.abs(x))
         scale = _row_scale(amax, s_ptr, row, BLOCK)
         for kt in range(0, (K + BLOCK - 1) // BLOCK):
-            offs = kt * BLOCK + tl.arange(0, BLOCK)
-            m = offs < K
-            x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-            if HAS_C:
-                x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-            tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
+            x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, kt, K, HAS_C, BLOCK)
+            _store_e4m3(q_ptr, row, x, offs, m, scale, K)
 
 
 def quantize_rows_fp8(

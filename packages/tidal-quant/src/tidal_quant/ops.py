@@ -145,8 +145,7 @@ def dequantize_fast(
     """:func:`dequantize` without the custom-op dispatch outside torch.compile (see [Note: eager path])."""
     if torch.compiler.is_compiling():
         return dequantize(data, scales, global_scale, fmt, shape, block_size, dtype)
-    fn = _by_device(_dequant_cuda, _dequant_ref, data)
-    return fn(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)
+    return _dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype)
 
 
 def profiling() -> bool:
@@ -526,6 +525,11 @@ def _by_device(cuda_fn, ref_fn, t: torch.Tensor):
     return cuda_fn if t.device.type == "cuda" else ref_fn
 
 
+def _dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype):
+    fn = _by_device(_dequant_cuda, _dequant_ref, data)
+    return fn(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)  # [N, K]
+
+
 def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers):
     if uses_scaled_mm(x, fmt, shape):
         return _fp8_linear_cuda(x.contiguous(), data, scales, n_outliers)
@@ -536,11 +540,7 @@ def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outli
 def _grad_impl(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad):
     if fp8_grad and uses_scaled_mm(grad, fmt, shape):
         return _fp8_grad_cuda(grad.contiguous(), data, scales)  # [T, K]
-    shp = (shape[0], shape[1])
-    if grad.device.type == "cuda":
-        w = _dequant_cuda(data, scales, global_scale, fmt, shp, block_size, grad.dtype)  # [N, K]
-    else:
-        w = _dequant_ref(data, scales, global_scale, fmt, shp, block_size, grad.dtype)
+    w = _dequant_eager(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
     return grad @ w  # [T, K]
 
 

@@ -65,6 +65,76 @@ class LoraLike(nn.Module):
 LORA_LR, LORA_STEPS = 1e-2, 5
 
 
+class PoolBlock(nn.Module):
+    """A frozen 256x256 linear (257 KiB streamed) with a trainable rank-4 adapter (resident)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(256, 256).requires_grad_(False)
+        self.down = nn.Linear(256, 4, bias=False)
+        self.up = nn.Linear(4, 256, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.up(self.down(x)))  # [B, 256]
+
+
+class PoolNet(nn.Module):
+    """Four LoRA-like blocks (the frozen bases stream, the adapters stay resident); returns the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.blocks = nn.ModuleList(PoolBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Path) -> dict:
+    """Train the pool model a few steps: losses, final weights and the streaming counters."""
+    import torch.distributed as dist
+
+    from tidal_stream import memory_report, unwrap, wrap
+
+    device = (
+        f"cuda:{os.environ['LOCAL_RANK']}" if cfg.get("backend") == "nccl" else cfg.get("device", "cuda:0")
+    )
+    model = PoolNet().to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR)
+    # every base streams, activations stay (so both runs fetch the same blocks the same number of times)
+    options = {"param_offload": True, "recompute": False, "activation_offload": False, "blocks": "blocks"}
+    model, opt = wrap(model, opt, distributed=dcfg, **options)
+    per, losses = GLOBAL_BATCH // world, []
+    for step in range(LORA_STEPS):
+        x = lora_batch(step)[rank * per : (rank + 1) * per].to(device)  # [per, 256]
+        loss = model(x)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    rep = memory_report(model)
+    ws = rep["weight_streaming"]
+    out = {
+        "losses": losses,
+        "h2d_bytes": ws["h2d_bytes"],
+        "source_bytes": ws["source_bytes"],
+        "block_bytes": ws["block_bytes"],
+        "fetches": ws["fetches"],
+        "peer_pooling": rep["distributed"]["peer_pooling"],
+        "events": [e["message"] for e in rep["events"]],
+    }
+    torch.save(
+        {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        outdir / f"params{rank}.pt",
+    )
+    unwrap(model)  # collective: readers drop the peers' buffers before owners free them
+    return out
+
+
 def lora_batch(step: int) -> torch.Tensor:
     return torch.randn(GLOBAL_BATCH, 256, generator=torch.Generator().manual_seed(3000 + step))  # [B, 256]
 
@@ -173,7 +243,12 @@ def main() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 60)))
-    dcfg = DistributedConfig(bucket_bytes=cfg.get("bucket_bytes", 4096), timeout=cfg.get("timeout", 30.0))
+    dcfg = DistributedConfig(
+        bucket_bytes=cfg.get("bucket_bytes", 4096),
+        timeout=cfg.get("timeout", 30.0),
+        peer_pooling=cfg.get("peer_pooling", False),
+        peer_pool_bytes=cfg.get("peer_pool_bytes"),
+    )
     out: dict = {"rank": rank}
     if scenario == "parity":
         device = cfg.get("device", "cpu")
@@ -245,6 +320,8 @@ def main() -> None:
         )
         dist.barrier()  # keep every mapping alive until all ranks have read their smaps
         unwrap(model)
+    elif scenario == "pool":
+        out.update(_pool_run(cfg, rank, world, dcfg, outdir))
     elif scenario == "fail":
         model = make_model()
         model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), distributed=dcfg)

@@ -145,7 +145,7 @@ def test_parity_and_checkpoint_2_ranks(tmp_path: pathlib.Path) -> None:
     assert shards[0][0] == 0 and shards[-1][1] == res[0]["numel"] and shards[0][1] == shards[1][0]
     assert res[0]["buckets"] > 1
     assert sum(r["early_updates"] for r in res) > 0  # host updates started during backward
-    assert any("peer pooling: off (no multi-GPU machine measured)" in m for m in res[0]["events"])
+    assert any("peer pooling: off (DistributedConfig.peer_pooling=False)" in m for m in res[0]["events"])
     # the DP checkpoint is a full torch.optim.AdamW state dict: it resumes in one process without DP
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     single = worker.reference(5, state=ck, first=5, split=2)
@@ -435,3 +435,71 @@ def test_host_adamw_reference_is_the_cpu_reference() -> None:
     b = worker.reference(3, split=2, host_adamw=True)
     for k, v in a.items():
         assert_bitwise_equal(b[k], v)
+
+
+# ------------------------------------------------------------------------------------------ peer pooling
+_BLOCK = 256 * 256 * 4 + 1024  # one frozen base (weight + bias), as its owner's buffer holds it (aligned)
+
+
+def _pool_runs(tmp: pathlib.Path, mode: object, **cfg: object) -> tuple[list[dict], list[dict]]:
+    """The pool scenario on 2 ranks without pooling, then with ``mode``; each rank's results."""
+    from tidal_stream.peer_pool import PEER_CONTEXT_BYTES
+
+    runs = []
+    for name, pooling in (("off", False), ("on", mode)):
+        (tmp / name).mkdir()
+        # room for one block per GPU (after the peer's context): blocks 0 and 1 pool, 2 and 3 stay on host
+        room = PEER_CONTEXT_BYTES + _BLOCK + 4096
+        res = launch("pool", 2, tmp / name, limit_s=90.0, peer_pooling=pooling, peer_pool_bytes=room, **cfg)
+        _ok(res)
+        runs.append(res)
+    return runs[0], runs[1]
+
+
+def _check_pool(off: list[dict], on: list[dict], tmp: pathlib.Path, decision: str) -> None:
+    """Bit-identical training with and without pooling; the host link carries only unpooled blocks."""
+    for r, (a, b) in enumerate(zip(off, on)):
+        assert a["losses"] == b["losses"], (r, a["losses"], b["losses"])  # the same bytes reach the GPU
+        pa = torch.load(tmp / "off" / f"params{r}.pt", weights_only=True)
+        pb = torch.load(tmp / "on" / f"params{r}.pt", weights_only=True)
+        for k in pa:
+            assert_bitwise_equal(pb[k], pa[k])
+        assert a["fetches"] == b["fetches"] and a["source_bytes"] == 0
+        assert a["block_bytes"] == [256 * 256 * 4 + 256 * 4] * 4
+        # every block is fetched equally often: pooling 2 of 4 moves half the bytes off the host link
+        assert b["h2d_bytes"] + b["source_bytes"] == a["h2d_bytes"] > 0
+        assert 2 * b["source_bytes"] == a["h2d_bytes"]
+        pp = b["peer_pooling"]
+        assert pp["on"] and pp["pooled_blocks"] == [0, 1] and pp["owned_blocks"] == [r]
+        assert pp["owned_bytes"] == _BLOCK
+        assert any(decision in m for m in b["events"]), [m for m in b["events"] if "peer pooling" in m]
+        assert any("peer pooling: off (DistributedConfig.peer_pooling=False)" in m for m in a["events"])
+
+
+def test_pool_scenario_on_cpu_is_off_with_reason(tmp_path: pathlib.Path) -> None:
+    """peer_pooling='auto' on CPU ranks: off, with the reason logged; the blocks stream from the host."""
+    res = launch("pool", 2, tmp_path, peer_pooling="auto", device="cpu")
+    _ok(res)
+    _load(tmp_path, 2)  # both ranks hold the same weights
+    for r in res:
+        assert any("peer pooling: off (training on cpu: needs CUDA)" in m for m in r["events"])
+        assert r["source_bytes"] == 0 and r["h2d_bytes"] > 0 and r["peer_pooling"] == {"on": False}
+
+
+@pytest.mark.gpu
+def test_peer_pool_2_processes_sharing_one_gpu(tmp_path: pathlib.Path) -> None:
+    """Two ranks on cuda:0 (gloo): the CUDA IPC mechanics on one GPU — each rank reads the other's pooled
+    block out of the other process's memory; same-GPU copies beat the host link, so 'auto' turns it on."""
+    off, on = _pool_runs(tmp_path, "auto")
+    _check_pool(off, on, tmp_path, "peer pooling: on: 2 of 4 frozen streamed blocks pooled")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="peer pooling across GPUs needs two GPUs")
+def test_peer_pool_nccl_two_gpus(tmp_path: pathlib.Path) -> None:
+    """Two ranks with NCCL, one GPU each: block 1 reaches GPU 0 from GPU 1 (and block 0 GPU 1 from GPU 0)
+    by peer copies. Needs peer access and a peer copy >= 2x the host link ('auto')."""
+    off, on = _pool_runs(tmp_path, "auto", backend="nccl")
+    _check_pool(off, on, tmp_path, "peer pooling: on: 2 of 4 frozen streamed blocks pooled")
+    line = next(m for m in on[0]["events"] if "peer pooling: on" in m)
+    print(line)  # the measured rates, for the record (pytest -s)

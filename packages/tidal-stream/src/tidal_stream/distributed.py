@@ -29,7 +29,14 @@ a dead peer ends every rank with an error, never a hang; with ``TORCH_NCCL_BLOCK
 exchanging host names (not from ``LOCAL_RANK``), and the planner's host RAM is split between the ranks of
 the same machine only.
 
-Peer pooling over NVLink / CUDA IPC is not implemented; the decision log says so.
+[Note: peer pooling] with ``DistributedConfig(peer_pooling="auto" | True)`` on CUDA, the frozen streamed
+blocks (LoRA bases) that every rank streams are spread once over the local GPUs' spare VRAM — block ``i``
+owned by local rank ``i mod L`` — and a rank refills a block from its owner's device copy (CUDA IPC, GPU to
+GPU) instead of from host RAM (:mod:`tidal_stream.peer_pool`). ``"auto"`` turns it on only when every
+local GPU can read every other's memory, the measured peer copy beats the measured host link by
+>= 2x and a block fits its owner's room (owned bytes stay resident and count against the budget:
+``peer_pool_bytes`` is taken from the budget the plan is made with); every branch is logged with its
+numbers. Default False until measured on a multi-GPU machine.
 """
 
 from __future__ import annotations
@@ -63,8 +70,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PEER_POOLING = "peer pooling: off (no multi-GPU machine measured)"
-
 
 class DistributedError(StreamError, RuntimeError):
     """A collective of tidal failed or timed out: a peer rank crashed, stalled or disagrees."""
@@ -85,6 +90,13 @@ class DistributedConfig:
     """Ranks of one machine share one host copy of frozen weights that stay in host memory; default True."""
     shm_dir: str = "/dev/shm"
     """Folder (a tmpfs) holding the shared host copy while local ranks map it; default ``/dev/shm``."""
+    peer_pooling: bool | Literal["auto"] = False
+    """Spread the frozen streamed blocks over the local GPUs and copy them GPU to GPU (CUDA):
+    ``"auto"`` when peer access, the measured rates and the room allow it, True whatever the rates say,
+    False never; default False."""
+    peer_pool_bytes: int | None = None
+    """VRAM per GPU taken from ``vram_budget`` for pooled blocks (the plan is made with the rest);
+    None: the room the plan leaves under its budget; default None."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_bytes", "max_inflight_buckets"):
@@ -100,6 +112,11 @@ class DistributedConfig:
             raise option_error("distributed.share_frozen", self.share_frozen, "True or False")
         if not isinstance(self.shm_dir, str) or not self.shm_dir:
             raise option_error("distributed.shm_dir", self.shm_dir, "a folder path on a tmpfs")
+        if not (isinstance(self.peer_pooling, bool) or self.peer_pooling == "auto"):
+            raise option_error("distributed.peer_pooling", self.peer_pooling, '"auto", True or False')
+        v = self.peer_pool_bytes
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise option_error("distributed.peer_pool_bytes", v, "None or an int > 0 (bytes per GPU)")
 
 
 DistributedOption = bool | Literal["auto"] | DistributedConfig
@@ -296,8 +313,11 @@ def _check_same_params(ctx: DPContext, trainable: list[nn.Parameter]) -> None:
             )
 
 
-def _plan_share(session: Any, model: nn.Module, opts: Any, ctx: DPContext, shared: int) -> None:
-    """Record this rank's host RAM share and, on CUDA, plan with it (``tidal_plan.PlanConfig.host_ram``)."""
+def _plan_share(
+    session: Any, model: nn.Module, opts: Any, ctx: DPContext, shared: int, pool_reserve: int = 0
+) -> None:
+    """Record this rank's host RAM share and, on CUDA, plan with it (``tidal_plan.PlanConfig.host_ram``)
+    and with ``pool_reserve`` bytes of the VRAM budget left to peer pooling."""
     from tidal_plan import PlanConfig, census, plan, profile_hardware
 
     avail = _host_available()
@@ -330,6 +350,22 @@ def _plan_share(session: Any, model: nn.Module, opts: Any, ctx: DPContext, share
         return
     profile = profile_hardware(session.device, vram_budget=opts.vram_budget, host_ram=share)
     cfg: dict[str, Any] = {"vram_budget": opts.vram_budget, "host_ram": share, "offload": True}
+    if pool_reserve:
+        budget = profile.vram_budget_bytes - pool_reserve
+        if budget <= 0:
+            raise option_error(
+                "distributed.peer_pool_bytes",
+                pool_reserve,
+                f"less than the VRAM budget ({profile.vram_budget_bytes} bytes)",
+                "lower peer_pool_bytes or raise vram_budget.",
+            )
+        cfg["vram_budget"] = budget
+        session.record(
+            "distributed",
+            f"peer pooling: {pool_reserve / 2**30:.2f} GiB of the {profile.vram_budget_bytes / 2**30:.2f} GiB "
+            "VRAM budget kept for pooled blocks; the plan gets the rest",
+            pool_reserve=pool_reserve,
+        )
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
     session.plan = plan(c, profile, PlanConfig(**cfg))
@@ -350,8 +386,8 @@ def _host_available() -> int:
 class _DistributedExtension:
     """What ``memory_report()`` shows under ``"distributed"``; releases the shared copy on ``unwrap()``."""
 
-    def __init__(self, ctx: DPContext, shared: Any, opt: Any) -> None:
-        self.ctx, self.shared, self.opt = ctx, shared, opt
+    def __init__(self, ctx: DPContext, shared: Any, opt: Any, pool: Any = None) -> None:
+        self.ctx, self.shared, self.opt, self.pool = ctx, shared, opt, pool
 
     def report(self) -> dict[str, Any]:
         out = {
@@ -361,7 +397,7 @@ class _DistributedExtension:
             "local_world": self.ctx.local_world,
             "node": self.ctx.node,
             "backend": self.ctx.backend,
-            "peer_pooling": False,
+            "peer_pooling": self.pool.summary() if self.pool is not None else {"on": False},
             **self.opt.shard_report(),
         }
         if self.shared is not None:
@@ -391,10 +427,11 @@ def wrap_distributed(
     Returns:
         ``(model, optimizer)`` with a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
     """
+    from tidal_stream.peer_pool import install_peer_pool
     from tidal_stream.session import Session
     from tidal_stream.sharded_optimizer import ShardedHostAdamW
     from tidal_stream.shared_host import SharedHostCopy
-    from tidal_stream.wrap import _ATTR, _move_resident, _part2, _setup_training
+    from tidal_stream.wrap import _ATTR, _move_resident, _part2, _setup_training, _streamed_state_dict_hooks
 
     if opts.delayed_update:
         raise option_error(
@@ -420,7 +457,6 @@ def wrap_distributed(
         rank=ctx.rank,
         world=ctx.world,
     )
-    session.record("distributed", _PEER_POOLING)
     groups, decoupled, trainable = _setup_training(session, model, optimizer, opts)
     _check_same_params(ctx, trainable)
     with torch.no_grad():
@@ -440,7 +476,9 @@ def wrap_distributed(
         token = uuid.uuid4().hex[:16] if ctx.rank == 0 else None
         token = ctx.all_objects(token, "shared copy name exchange")[0]
         shared = SharedHostCopy.share_frozen(model, ctx, config.shm_dir, token, session.record)
-    _plan_share(session, model, opts, ctx, shared.nbytes if shared is not None else 0)
+    pooling = config.peer_pooling is not False and device.type == "cuda"
+    reserve = config.peer_pool_bytes if pooling and config.peer_pool_bytes is not None else 0
+    _plan_share(session, model, opts, ctx, shared.nbytes if shared is not None else 0, reserve)
     moment = "fp32" if opts.moment_dtype == "auto" else opts.moment_dtype
     opt = ShardedHostAdamW(
         groups,
@@ -456,9 +494,15 @@ def wrap_distributed(
         max_inflight_buckets=config.max_inflight_buckets,
     )
     session.optimizer = opt
+    pool = None
     try:
         _part2(session, model, opts)
+        # state_dict() reads streamed weights from their host copies (their device storage is empty)
+        session.handles += _streamed_state_dict_hooks(session, model)
         _move_resident(session, model)
+        pool = install_peer_pool(session, ctx, config.peer_pooling, config.peer_pool_bytes, session.record)
+        if pool is not None:
+            session.extensions.insert(0, pool)  # unwrap() stops peer reads before streaming is removed
         if optimizer is not None:
             migrated = [p for p, st in optimizer.state.items() if st]
             for p in migrated:
@@ -468,10 +512,12 @@ def wrap_distributed(
                     "migrate", f"{type(optimizer).__name__} state of {len(migrated)} tensors migrated"
                 )
     except BaseException:
+        if pool is not None:
+            pool.remove(barrier=False)
         opt.close(barrier=False)  # this rank alone may be failing: do not wait for the others
         session.close()
         raise
-    session.extensions.append(_DistributedExtension(ctx, shared, opt))
+    session.extensions.append(_DistributedExtension(ctx, shared, opt, pool))
     setattr(model, _ATTR, session)
     session.record(
         "wrap",

@@ -80,6 +80,7 @@ class _Slot:
     host: torch.Tensor  # host master copy, same shape/strides
     nbytes: int
     trainable: bool
+    source: torch.Tensor | None = None  # read instead of ``host`` when set (see ``set_source``)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class _Block:
     resident: bool = False
     ready: StreamEvent | None = None  # guards the H2D copy of the last refill
     compute: Any = None  # the stream the block's kernels were issued on in forward
+    sourced: bool = False  # refilled from ``set_source`` tensors instead of the host copies
 
 
 def _tensors_of(output: Any) -> list[torch.Tensor]:
@@ -179,6 +181,7 @@ class StreamedBlocks:
         self._hooks: list[Any] = []
         self._bwd_task = -1  # graph task of the backward pass being served
         self._h2d_bytes = 0
+        self._source_bytes = 0  # refilled from set_source tensors (not over the host link)
         self._h2d_ms_cpu = 0.0
         self._stall_ms_cpu = 0.0
         self._fetches = 0
@@ -304,23 +307,26 @@ class StreamedBlocks:
                 # why: the bytes just allocated may still be read by kernels queued on the compute stream
                 alloc_done = record_event(compute)
             t0 = time.perf_counter()
+            timed = cuda and not b.sourced  # the timings measure the host link only
             with stream_context(h2d):
                 alloc_done.wait(h2d)  # why: see above — write only after those kernels finished
-                if cuda:
+                if timed:
                     start = torch.cuda.Event(enable_timing=True)
                     start.record(h2d)
                 for s in b.slots:
-                    s.tensor.data.copy_(s.host, non_blocking=cuda)
-                if cuda:
+                    # a source on another GPU: torch fences the copy between this stream's earlier and later work
+                    s.tensor.data.copy_(s.host if s.source is None else s.source, non_blocking=cuda)
+                if timed:
                     end = torch.cuda.Event(enable_timing=True)
                     end.record(h2d)
                     self._timings.append((start, end))
                 # why: consumers (compute stream, release) must not touch the storage before the copy lands
                 b.ready = record_event(h2d)
-            if not cuda:
+            if not cuda and not b.sourced:
                 self._h2d_ms_cpu += (time.perf_counter() - t0) * 1e3
         b.resident = True
-        self._h2d_bytes += b.nbytes
+        self._source_bytes += b.nbytes if b.sourced else 0
+        self._h2d_bytes += 0 if b.sourced else b.nbytes
         self._fetches += 1
         self._record("fetch", i, phase)
         self._drain_timings()
@@ -453,6 +459,28 @@ class StreamedBlocks:
             self._pinned.discard(i)
             self._release(i, "gather")
 
+    def host_copies(self, i: int) -> list[torch.Tensor]:
+        """Host copies of block ``i``'s streamed tensors, in the order :meth:`set_source` takes them."""
+        return [s.host for s in self._blocks[i].slots]
+
+    def set_source(self, i: int, sources: Sequence[torch.Tensor] | None) -> None:
+        """Refill frozen block ``i`` from ``sources`` (like :meth:`host_copies`, e.g. views of a peer GPU's
+        copy; kept valid and unchanged while set) instead of its host copies; None: the host copies again."""
+        b = self._blocks[i]
+        src = list(sources) if sources is not None else [None] * len(b.slots)
+        if sources is not None and (
+            len(src) != len(b.slots)
+            or any(s.trainable for s in b.slots)
+            or any(t.shape != s.host.shape or t.dtype != s.host.dtype for t, s in zip(src, b.slots))
+        ):
+            raise StreamingError(
+                f"StreamedBlocks.set_source: block {i} takes {len(b.slots)} tensors shaped as host_copies({i}) "
+                f"and must have no trainable tensors; got {len(src)}. Fix: pass one tensor per host copy."
+            )
+        for s, t in zip(b.slots, src):
+            s.source = t
+        b.sourced = sources is not None
+
     def kept_resident(self) -> tuple[int, ...]:
         """Blocks held on the device permanently."""
         return tuple(sorted(self._pinned))
@@ -504,7 +532,8 @@ class StreamedBlocks:
                 self._release(b.index, "gather")
 
     def stats(self) -> dict[str, Any]:
-        """Counters: ``h2d_bytes``, ``h2d_ms`` (copy time on the H2D stream), ``h2d_gbps``, ``stall_ms``
+        """Counters: ``h2d_bytes`` (from host copies), ``source_bytes`` (from :meth:`set_source` tensors),
+        ``h2d_ms`` (host copy time on the H2D stream), ``h2d_gbps``, ``stall_ms``
         (time compute waited for weights), ``fetches``, ``demand_fetches`` (not prefetched in time),
         ``resident_peak_blocks`` and ``resident_peak_bytes`` (of the streaming window, blocks kept
         resident excluded), ``resident_now``, ``kept_resident``, ``block_bytes``, ``degraded``.
@@ -515,6 +544,7 @@ class StreamedBlocks:
         h2d_ms = self._h2d_ms_cpu + self._h2d_ms_done
         return {
             "h2d_bytes": self._h2d_bytes,
+            "source_bytes": self._source_bytes,
             "h2d_ms": h2d_ms,
             "h2d_gbps": (self._h2d_bytes / (h2d_ms * 1e6)) if h2d_ms > 0 else 0.0,
             "stall_ms": self._stall_ms_cpu + self._stall_ms_done,
@@ -532,7 +562,7 @@ class StreamedBlocks:
     def reset_stats(self) -> None:
         """Zero the counters and the history (e.g. after warm-up)."""
         self._drain_timings(block=True)
-        self._h2d_bytes = self._fetches = self._demand_fetches = 0
+        self._h2d_bytes = self._source_bytes = self._fetches = self._demand_fetches = 0
         self._h2d_ms_cpu = self._stall_ms_cpu = self._h2d_ms_done = self._stall_ms_done = 0.0
         self._peak_blocks = self._n_resident()
         self._peak_bytes = self._streamed_resident_bytes()

@@ -9,6 +9,7 @@
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
+#   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
 #
 # Every step has its own time limit, so one that hangs or runs long costs its slot, not the stage. The
 # peers' wheels (bitsandbytes, TrainStream, DeepSpeed, BlockStreamer) install from .whl/ when present.
@@ -57,11 +58,15 @@ case "${1:-}" in
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
     ;;
+  hf)
+    step 360 hf.log -- python3 benchmarks/hf/trainer_lora14b.py --budget-gib 24 --steps 8
+    step 120 hf.log -- python3 examples/dpo_lora.py --device cuda --steps 20
+    ;;
   micro)
     step 540 micro.log -- python3 -m pytest -p tidal_testing.plugin benchmarks --benchmark-only -q --benchmark-json="$out/micro-h200.json"
     ;;
   *)
-    sed -n '2,12p' "$0"
+    sed -n '2,13p' "$0"
     exit 2
     ;;
 esac

@@ -44,8 +44,8 @@ def _by_hand(census, p) -> int:
     recomputed = [blocks[b.index] for b in p.blocks if b.activations == "recompute"]
     acts = (
         sum(b.activation_bytes for b in p.blocks)
-        + max((b.activation_bytes_per_token * TOKENS for b in recomputed), default=0)
-        + census.outside_activation_bytes_per_token * TOKENS
+        + max((b.keep_bytes(TOKENS, TOKENS) for b in recomputed), default=0)
+        + census.outside_activation_bytes(TOKENS, TOKENS)
     )
     headroom = max(256 * 2**20, 24 * GiB // 20)
     loss = p.vram_breakdown["loss"]

@@ -144,12 +144,11 @@ def test_recompute_beats_offload_when_the_link_would_bound_the_step(qwen1_5b_unt
     assert all(b.activations == "offload" for b in off.blocks)
     assert off.prediction.bound == "pcie"
     # the copies to the host cannot start before forward makes them nor wait for backward: what forward's
-    # compute cannot hide is exposed, though the whole step's compute would hide them
+    # compute cannot hide is exposed, however much compute the rest of the step has
     ctx = _context(c, h200(), PlanConfig(**cfg))
     g = gpu_time(ctx, _state_of(off))
     act_bytes = sum(b.activation_bytes_per_token for b in c.blocks) * 2048
-    assert off.prediction.transfer_s < 1.1 * off.prediction.compute_s
-    assert off.prediction.exposed_transfer_s >= act_bytes / 55e9 - g.forward_s
+    assert off.prediction.exposed_transfer_s >= act_bytes / 55e9 - g.forward_s > 0
     assert p.prediction.step_s < 0.8 * off.prediction.step_s
 
 
@@ -162,7 +161,7 @@ def test_offload_is_chosen_where_compute_hides_it(build_meta_lm):
     c = census(build_meta_lm("qwen2", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
                              num_attention_heads=8, num_key_value_heads=8, vocab_size=256))  # fmt: skip
     slow = HardwareProfile.synthetic(matmul_tflops=20.0, hbm_gbps=400.0)
-    act = c.blocks[0].activation_bytes_per_token * 4096
+    act = c.blocks[0].keep_bytes(4096, 4096)
     fixed = dict(batch_tokens=4096, headroom_bytes=256 * MiB, moment_dtype="fp32", offload=False)
     # weights, their gradients, fp32 masters and moments on the GPU, the loss, and about three blocks'
     # activations

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
+from tidal_plan.act_bytes import ByteRate, estimate_saved_bytes
 from tidal_plan.errors import PlanConfigError
 from tidal_plan.units import format_bytes
 
@@ -36,7 +37,8 @@ class BlockCensus:
     frozen_params: int
     """Number of frozen parameters (elements)."""
     activation_bytes_per_token: int
-    """Bytes autograd saves for backward in this block, per token."""
+    """Bytes autograd saves for backward in this block, per token: distinct storages of its activations
+    (weights and inputs shared by every block excluded), i.e. what ``keep`` holds on the device."""
     quantizable_params: int = 0
     """Frozen elements in 2-D weights (linear layers) that a quantized storage format can hold."""
     quantizable_bytes: int = 0
@@ -61,6 +63,55 @@ class BlockCensus:
     """Weight elements of those already-quantized linears (their bytes are in ``buffer_bytes``); default 0."""
     stored_bytes: int = 0
     """Bytes of their stored weights and scales; default 0."""
+    activation_bytes_per_position: int = 0
+    """Keep bytes per token per position of its sequence (an eager attention's T x T scores, a mask
+    converted in the block); default 0."""
+    activation_bytes_per_sequence_position: int = 0
+    """Keep bytes per position of a sequence, once for the whole batch; default 0."""
+    offload_bytes_per_token: int | None = None
+    """Bytes per token an offloaded block copies to the host and back: distinct saved views, inputs shared
+    by every block included (tidal-stream copies those per block too); default ``None`` =
+    ``activation_bytes_per_token``."""
+    offload_bytes_per_position: int = 0
+    """The part of the offloaded bytes per token that grows with the sequence; default 0."""
+    offload_bytes_per_sequence_position: int = 0
+    """Offloaded bytes per position of a sequence, once for the batch (rotary tables); default 0."""
+    saved_bytes_per_token: int = 0
+    """Every saved reference's bytes per token, repeats included (what a plain hook census adds up);
+    default 0 (unknown)."""
+    saved_bytes_per_position: int = 0
+    """The part of ``saved_bytes_per_token`` that grows with the sequence; default 0."""
+    saved_bytes_per_sequence_position: int = 0
+    """Saved bytes per position of a sequence, once for the batch; default 0."""
+
+    def keep_bytes(self, tokens: int, seq_len: int) -> int:
+        """Device bytes the block's saved activations hold for ``tokens`` tokens in sequences of
+        ``seq_len``: its ``keep`` cost, and the transient peak of its recomputed backward."""
+        return ByteRate(
+            self.activation_bytes_per_token,
+            self.activation_bytes_per_position,
+            self.activation_bytes_per_sequence_position,
+        ).at(tokens, seq_len)
+
+    def offload_bytes(self, tokens: int, seq_len: int) -> int:
+        """Bytes ``offload`` copies each way over PCIe (and holds in pinned host memory)."""
+        if self.offload_bytes_per_token is None:
+            return self.keep_bytes(tokens, seq_len)
+        return ByteRate(
+            self.offload_bytes_per_token,
+            self.offload_bytes_per_position,
+            self.offload_bytes_per_sequence_position,
+        ).at(tokens, seq_len)
+
+    def saved_bytes(self, tokens: int, seq_len: int) -> int:
+        """Every saved reference's bytes, repeats included (0 when unknown)."""
+        return ByteRate(
+            self.saved_bytes_per_token, self.saved_bytes_per_position, self.saved_bytes_per_sequence_position
+        ).at(tokens, seq_len)
+
+    def recompute_bytes(self, tokens: int) -> int:
+        """Device bytes ``recompute`` holds between forward and backward: the block's input."""
+        return tokens * self.input_bytes_per_token
 
     @property
     def param_bytes(self) -> int:
@@ -108,6 +159,20 @@ class ModelCensus:
     """How activation bytes were found: ``"meta-trace"``, ``"measured"``, ``"override"`` or ``"heuristic"``."""
     notes: tuple[str, ...] = ()
     """Anything estimated rather than traced, one line each."""
+    outside_activation_bytes_per_position: int = 0
+    """Outside activation bytes per token per position of its sequence; default 0."""
+    outside_activation_bytes_per_sequence_position: int = 0
+    """Outside activation bytes per position of a sequence, once for the batch (rotary tables every block
+    saves); default 0."""
+
+    def outside_activation_bytes(self, tokens: int, seq_len: int) -> int:
+        """Device bytes of activations outside the stack, with the inputs every block shares and saves
+        (one copy per forward), for ``tokens`` tokens in sequences of ``seq_len``."""
+        return ByteRate(
+            self.outside_activation_bytes_per_token,
+            self.outside_activation_bytes_per_position,
+            self.outside_activation_bytes_per_sequence_position,
+        ).at(tokens, seq_len)
 
     @property
     def trainable_bytes(self) -> int:
@@ -314,6 +379,7 @@ def census(
     activation_bytes_per_token: int | None = None,
     seq_len: int = 32,
     example_inputs: dict[str, Any] | None = None,
+    activation_trace: Literal["meta", "device"] = "meta",
 ) -> ModelCensus:
     """Count what a model holds, block by block. Works on the meta device.
 
@@ -325,15 +391,17 @@ def census(
         seq_len: Sequence length of the trace that finds activation bytes (short, so attention's
             T x T terms stay small next to the per-token ones).
         example_inputs: Keyword inputs for one forward of the model (default: ``input_ids`` of
-            ``[1, seq_len]`` zeros on the model's device).
+            ``[1, seq_len]`` zeros on the model's device, plus ``[1, 2 * seq_len]`` and ``[2, seq_len]``
+            to separate per-token, T x T and per-position bytes).
+        activation_trace: ``"meta"`` (default): trace one block per kind with meta stand-ins for its
+            weights (no memory, no arithmetic; cached per block class, shapes, dtypes and attention
+            implementation); ``"device"``: run it on the model's own device with real weights.
 
     Returns:
-        The census. Activation bytes come from one forward of the first block of each size, run under
-        ``saved_tensors_hooks`` (on the meta device, no memory is used), else from a per-linear heuristic
-        (recorded in ``notes``).
+        The census. Saved-activation bytes (keep / offload / every saved reference, see
+        :mod:`tidal_plan.act_bytes`) come from forwards of one block of each kind under
+        ``saved_tensors_hooks``, else from a per-linear formula (logged and recorded in ``notes``).
     """
-    from tidal_plan.activations import estimate_activations
-
     if not isinstance(model, nn.Module):
         raise PlanConfigError("model", type(model).__name__, "a torch.nn.Module")
     if activation_bytes_per_token is not None and (
@@ -369,9 +437,18 @@ def census(
     in_stack_buffers = {id(b) for b in stack.buffers()}
     outside_buf = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in in_stack_buffers)
 
-    acts, inputs, kernels, source, notes = estimate_activations(
-        model, stack, seq_len=seq_len, example_inputs=example_inputs, override=activation_bytes_per_token
+    if activation_trace not in ("meta", "device"):
+        raise PlanConfigError("activation_trace", activation_trace, "'meta' or 'device'")
+    saved, notes = estimate_saved_bytes(
+        model,
+        stack,
+        seq_len=seq_len,
+        example_inputs=example_inputs,
+        override=activation_bytes_per_token,
+        trace=activation_trace,
     )
+    sources = {s.source for s in saved}
+    source = next(s for s in ("heuristic", "override", "measured", "meta-trace") if s in sources)
     block_list = []
     for i, blk in enumerate(stack):
         c, shapes = _count(per_block_params[i], mats)
@@ -383,14 +460,22 @@ def census(
                 index=i,
                 name=f"{prefix}{i}",
                 buffer_bytes=buf,
-                activation_bytes_per_token=acts[i],
-                input_bytes_per_token=inputs[i],
+                activation_bytes_per_token=saved[i].keep.per_token,
+                activation_bytes_per_position=saved[i].keep.per_position,
+                activation_bytes_per_sequence_position=saved[i].keep.per_sequence_position,
+                offload_bytes_per_token=saved[i].offload.per_token,
+                offload_bytes_per_position=saved[i].offload.per_position,
+                offload_bytes_per_sequence_position=saved[i].offload.per_sequence_position,
+                saved_bytes_per_token=saved[i].saved.per_token,
+                saved_bytes_per_position=saved[i].saved.per_position,
+                saved_bytes_per_sequence_position=saved[i].saved.per_sequence_position,
+                input_bytes_per_token=saved[i].input,
                 matmul_shapes=shapes + stored_shapes,
                 stored_format=stored_fmt,
                 stored_params=stored_params,
                 stored_bytes=stored_bytes,
                 attention_width=_attention_width(blk),
-                forward_kernels=kernels[i],
+                forward_kernels=saved[i].kernels,
                 **c,
             )
         )
@@ -412,7 +497,11 @@ def census(
         outside_quantizable_params=oc["quantizable_params"],
         outside_quantizable_bytes=oc["quantizable_bytes"],
         outside_matmul_params=oc["matmul_params"],
-        outside_activation_bytes_per_token=2 * (inputs[0] if inputs else 0),
+        # the embedding output and the final norm's input, plus what every block saves of its shared inputs
+        # (rotary tables, a mask): one copy for the whole forward
+        outside_activation_bytes_per_token=2 * saved[0].input + saved[0].shared.per_token,
+        outside_activation_bytes_per_position=saved[0].shared.per_position,
+        outside_activation_bytes_per_sequence_position=saved[0].shared.per_sequence_position,
         outside_matmul_shapes=outside_shapes,
         tied=tied,
         param_to_block=param_to_block,

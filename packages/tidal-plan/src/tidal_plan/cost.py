@@ -471,7 +471,8 @@ def activation_offload_exposed_s(
     off = [b for b in c.blocks if s.act[b.index] == "offload"]
     if not off:
         return 0.0
-    act = sum(b.activation_bytes_per_token for b in off) * ctx.tokens
+    seq = min(ctx.seq_len or ctx.tokens, ctx.tokens)
+    act = sum(b.offload_bytes(ctx.tokens, seq) for b in off)
     fwd, bwd = gpu.forward_s, gpu.backward_s
 
     def exposed(a: int) -> float:
@@ -481,7 +482,7 @@ def activation_offload_exposed_s(
 
     last = off[-1]
     before = gpu.head_backward_s + sum(gpu.block_backward_s[last.index + 1 :])
-    fill = max(0.0, last.activation_bytes_per_token * ctx.tokens / rates[0] - before)
+    fill = max(0.0, last.offload_bytes(ctx.tokens, seq) / rates[0] - before)
     return exposed(act) - exposed(0) + fill
 
 
@@ -501,14 +502,16 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
         window = min(window, ctx.inflight_cap + max_streamed)
     host_opt = [b for b in c.blocks if b.trainable_params and not s.opt_gpu[b.index]]
     gpu_opt = [b for b in c.blocks if b.trainable_params and s.opt_gpu[b.index]]
-    acts_keep = sum(b.activation_bytes_per_token * n_tok for b in c.blocks if s.act[b.index] == "keep")
-    acts_ckpt = sum(b.input_bytes_per_token * n_tok for b in c.blocks if s.act[b.index] == "recompute")
+    seq = min(ctx.seq_len or n_tok, n_tok)
+    acts_keep = sum(b.keep_bytes(n_tok, seq) for b in c.blocks if s.act[b.index] == "keep")
+    acts_ckpt = sum(b.recompute_bytes(n_tok) for b in c.blocks if s.act[b.index] == "recompute")
+    # a recomputed block's backward holds its full saved set again, one block at a time
     recompute_peak = max(
-        (b.activation_bytes_per_token * n_tok for b in c.blocks if s.act[b.index] == "recompute"), default=0
+        (b.keep_bytes(n_tok, seq) for b in c.blocks if s.act[b.index] == "recompute"), default=0
     )
     offloaded = [b for b in c.blocks if s.act[b.index] == "offload"]
     offload_window = min(ctx.depth + 1, len(offloaded)) * max(
-        (b.activation_bytes_per_token * n_tok for b in offloaded), default=0
+        (b.keep_bytes(n_tok, seq) for b in offloaded), default=0
     )
     out_train = c.outside_trainable_params
     gpu_state = sum(b.trainable_params for b in gpu_opt) * spp + (out_train * spp if s.outside_opt_gpu else 0)
@@ -527,7 +530,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
         + acts_ckpt
         + recompute_peak
         + offload_window
-        + c.outside_activation_bytes_per_token * n_tok,
+        + c.outside_activation_bytes(n_tok, seq),
         "loss": loss_peak_bytes(ctx),
         "headroom": ctx.headroom,
     }
@@ -538,7 +541,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     host_grads = sum(b.trainable_bytes for b in host_opt) + (
         0 if s.outside_opt_gpu else c.outside_trainable_bytes
     )
-    offload_bytes = sum(b.activation_bytes_per_token * n_tok for b in offloaded)
+    offload_bytes = sum(b.offload_bytes(n_tok, seq) for b in offloaded)
     host = {
         "AdamW state": host_state,
         "streamed weights": sum(sb.values()),

@@ -392,9 +392,10 @@ def _build(
     streamed_bytes: list[int] = []
     for b in c.blocks:
         act = s.act[b.index]
+        seq = min(ctx.seq_len or ctx.tokens, ctx.tokens)
         act_bytes = {
-            "keep": b.activation_bytes_per_token,
-            "recompute": b.input_bytes_per_token,
+            "keep": b.keep_bytes(ctx.tokens, seq),
+            "recompute": b.recompute_bytes(ctx.tokens),
             "offload": 0,
         }[act]
         has_frozen_linear = b.quantizable_params > 0
@@ -411,7 +412,7 @@ def _build(
                 activations=act,  # type: ignore[arg-type]
                 optimizer="none" if not b.trainable_params else ("gpu" if s.opt_gpu[b.index] else "host"),
                 weight_bytes=wbytes,
-                activation_bytes=act_bytes * ctx.tokens,
+                activation_bytes=act_bytes,
             )
         )
     gpu_blocks = tuple(b.index for b in c.blocks if b.trainable_params and s.opt_gpu[b.index])

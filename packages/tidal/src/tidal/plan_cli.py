@@ -198,6 +198,7 @@ def make_plan(req: PlanRequest) -> tuple[str, Any, Any, Any, str]:
     cfg = tidal.PlanConfig(
         vram_budget=budget,
         batch_tokens=req.batch_size * req.seq_len,
+        seq_len=req.seq_len,  # attention work and per-sequence activations follow the sequence length
         training="lora" if req.lora else "full",
         quantize=req.quantize,
         bytes_per_weight=tidal.bytes_per_weight if req.quantize is not None else None,

@@ -1,4 +1,4 @@
-"""Activation bytes per block per token: trace one block under ``saved_tensors_hooks`` (meta device OK)."""
+"""Block tracing helpers for the activation census (:mod:`tidal_plan.act_bytes`): capture a block's inputs, run it on the meta device, count kernels."""
 
 from __future__ import annotations
 
@@ -205,37 +205,6 @@ class _KernelCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _trace_block(block: nn.Module, args: tuple, kwargs: dict[str, Any], tokens: int) -> tuple[int, int]:
-    """Bytes per token that autograd saves for backward in one forward of ``block``, and the number of
-    kernels that forward runs."""
-    x, positional, where = _first_tensor(args, kwargs)
-    x = x.detach().requires_grad_(True)
-    if positional:
-        args = (*args[:where], x, *args[where + 1 :])
-    else:
-        kwargs = {**kwargs, where: x}
-    # Parameters (and views of them) stream with the weights; the block's other inputs (position
-    # embeddings, masks) are made once per forward and shared by every block: neither is an activation.
-    params = {id(p) for p in block.parameters()}
-    params |= {id(t) for t in _tensors((args, kwargs)) if t is not x}
-    seen: dict[int, int] = {}
-    keep: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t) in params or (t._base is not None and id(t._base) in params):
-            return t
-        key = id(t._base) if t._base is not None else id(t)
-        base = t._base if t._base is not None else t
-        seen[key] = max(seen.get(key, 0), base.numel() * base.element_size())
-        keep.append(t)  # holds ids stable for the duration of the trace
-        return t
-
-    counter = _KernelCount()
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-        block(*args, **kwargs)
-    return sum(seen.values()) // max(1, tokens), counter.kernels
-
-
 def _heuristic(block: nn.Module) -> int:
     """Fallback: each linear layer saves its input and its output (ReLU/SiLU/products keep similar)."""
     total = 0
@@ -243,84 +212,3 @@ def _heuristic(block: nn.Module) -> int:
         if isinstance(m, nn.Linear):
             total += (m.in_features + m.out_features) * m.weight.element_size()
     return total
-
-
-def estimate_activations(
-    model: nn.Module,
-    stack: nn.Module,
-    *,
-    seq_len: int,
-    example_inputs: dict[str, Any] | None,
-    override: int | None,
-) -> tuple[list[int], list[int], list[int], str, list[str]]:
-    """Per block: activation bytes per token, input bytes per token and forward kernels (0: unknown);
-    plus the source and notes."""
-    n = len(stack)
-    notes: list[str] = []
-    with _meta_tracing(_model_device(model).type == "meta"):
-        return _estimate(model, stack, n, notes, seq_len, example_inputs, override)
-
-
-def _estimate(
-    model: nn.Module,
-    stack: nn.Module,
-    n: int,
-    notes: list[str],
-    seq_len: int,
-    example_inputs: dict[str, Any] | None,
-    override: int | None,
-) -> tuple[list[int], list[int], list[int], str, list[str]]:
-    try:
-        calls = [_capture_block_inputs(model, stack[0], seq_len, example_inputs)]
-        if example_inputs is None:
-            calls.append(_capture_block_inputs(model, stack[0], 2 * seq_len, None))
-        x, _, _ = _first_tensor(*calls[0])
-        input_bytes = x.shape[-1] * x.element_size()
-    except Exception as e:
-        if override is None:
-            logger.warning(
-                "activation trace failed (%s: %s); using a per-linear heuristic", type(e).__name__, e
-            )
-            notes.append(f"activation trace failed ({type(e).__name__}: {e}); per-linear heuristic used")
-        acts = [override if override is not None else _heuristic(b) for b in stack]
-        first_linear = next((m for m in stack[0].modules() if isinstance(m, nn.Linear)), None)
-        inp = first_linear.in_features * first_linear.weight.element_size() if first_linear is not None else 0
-        return acts, [inp] * n, [0] * n, "override" if override is not None else "heuristic", notes
-    if override is not None:
-        return [override] * n, [input_bytes] * n, [0] * n, "override", notes
-    source = "meta-trace" if x.device.type == "meta" else "measured"
-    cache: dict[tuple[int, int], tuple[int, int]] = {}
-    acts, kernels = [], []
-    for blk in stack:
-        sig = (
-            sum(p.numel() for p in blk.parameters() if p.requires_grad),
-            sum(p.numel() for p in blk.parameters()),
-        )
-        if sig not in cache:
-            try:
-                cache[sig] = _per_token(blk, calls)
-            except Exception as e:
-                logger.warning("activation trace of a block failed (%s); per-linear heuristic", e)
-                notes.append(f"activation trace of a block failed ({type(e).__name__}: {e}); heuristic used")
-                source = "heuristic"
-                cache[sig] = (_heuristic(blk), 0)
-        acts.append(cache[sig][0])
-        kernels.append(cache[sig][1])
-    return acts, [input_bytes] * n, kernels, source, notes
-
-
-def _per_token(block: nn.Module, calls: list[tuple[tuple, dict[str, Any]]]) -> tuple[int, int]:
-    """Saved bytes per token without the part that grows with sequence length, and forward kernels.
-
-    [Note: a block that materializes T x T attention saves a + b*T bytes per token; the fused attention
-    kernels used on the GPU save only the a part. Two traces at T and 2T give a = 2*p(T) - p(2T).]
-    """
-    per, kernels = [], 0
-    for args, kwargs in calls:
-        x, _, _ = _first_tensor(args, kwargs)
-        tokens = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
-        saved, kernels = _trace_block(block, args, kwargs, tokens)
-        per.append(saved)
-    if len(per) == 1:
-        return per[0], kernels
-    return max(0, min(per[0], 2 * per[0] - per[1])), kernels

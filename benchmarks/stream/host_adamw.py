@@ -21,6 +21,8 @@ buffer (the new weight going back). Timed over all tensors, median of ``--repeat
   over master and moments before the update / folded into each block);
 - ``path_clip`` / ``path_chunked_clip``: from the widened fp32 gradient (clipping widens it on landing,
   for the norm): scale by the clip coefficient, update, narrow (three passes / one blocked pass);
+- ``path_pooled``: ``path`` in blocks of ``--chunk`` spread over ``--pool`` threads that each run a
+  whole block on one core (:class:`BlockPool`), not in thread-team fork/joins per op;
 - ``--sweep``: ``path_chunked`` again at each listed block size;
 - ``--hog N``: N busy processes spin during the timings (as the training thread and the driver's
   threads load the host's cores during backward): blocked passes fork/join the intra-op threads more
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import subprocess
 import sys
@@ -63,6 +66,7 @@ BYTES = {
     "path_chunked_undo": 40,
     "path_clip": 42,
     "path_chunked_clip": 30,
+    "path_pooled": 28,
 }
 
 
@@ -91,11 +95,11 @@ def make_slots(total: int, per: int, pin: bool, seed: int = 0) -> list[dict[str,
     return slots
 
 
-def _fused(s: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None) -> None:
+def _fused(s: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None, grad: Any = None) -> None:
     sl = slice(lo, hi)
     torch._fused_adamw_(
         [s["master"][sl]],
-        [s["grad"][sl]],
+        [s["grad"][sl] if grad is None else grad],
         [s["m"][sl]],
         [s["v"][sl]],
         [],
@@ -181,6 +185,60 @@ def path_chunked_clip(slots: list[dict], chunk: int) -> None:
         _lib(s, chunk, clip=True)
 
 
+class BlockPool:
+    """Threads that each run whole blocks (widen, update, narrow) with one intra-op thread, taking blocks
+    from a shared queue: no fork/join of a thread team per op, and a preempted thread delays only the
+    block it holds while the others take the rest (a candidate design for the host update)."""
+
+    def __init__(self, n: int) -> None:
+        self.jobs: queue.SimpleQueue[tuple[dict, int, int, Any] | None] = queue.SimpleQueue()
+        started = threading.Barrier(n + 1)
+        self.threads = [threading.Thread(target=self._run, args=(started,), daemon=True) for _ in range(n)]
+        keep = torch.get_num_threads()
+        for t in self.threads:
+            t.start()
+        started.wait()
+        torch.set_num_threads(keep)  # set_num_threads(1) in the pool also set the default of new threads
+
+    def _run(self, started: threading.Barrier) -> None:
+        torch.set_num_threads(1)  # this thread's ops run on it alone
+        scratch = torch.empty(0)
+        started.wait()
+        while (job := self.jobs.get()) is not None:
+            s, lo, hi, done = job
+            if scratch.numel() < hi - lo:
+                scratch = torch.empty(hi - lo)
+            g = scratch[: hi - lo]  # [b] the widened gradient block
+            g.copy_(s["landing"][lo:hi])
+            _fused(s, lo, hi, grad=g)
+            s["staging"][lo:hi].copy_(s["master"][lo:hi])
+            done()
+
+    def update(self, s: dict[str, torch.Tensor], block: int) -> None:
+        """Update one slot in blocks spread over the pool; returns when every block is done."""
+        n = s["master"].numel()
+        left, finished, lock = [-(-n // block)], threading.Event(), threading.Lock()
+
+        def done() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+        for lo in range(0, n, block):
+            self.jobs.put((s, lo, min(n, lo + block), done))
+        finished.wait()
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
+def path_pooled(slots: list[dict], chunk: int, pool: BlockPool) -> None:
+    for s in slots:
+        pool.update(s, chunk)
+
+
 def in_thread(fn: Any, *args: Any) -> tuple[float, int]:
     """Run ``fn(*args)`` on a new thread; its seconds and the intra-op thread count seen there."""
     out: dict[str, Any] = {}
@@ -208,16 +266,17 @@ def timed_rounds(cases: list[tuple[str, Any, tuple]], repeat: int, slots: list[d
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def check_chunked(per: int, chunk: int, pin: bool) -> None:
+def check_chunked(per: int, chunk: int, pin: bool, pool: BlockPool) -> None:
     """Cache-blocked and whole-tensor paths give bit-identical masters, moments, staging and undo copies."""
     for whole, blocked in (
         (path, path_chunked),
         (path_undo, path_chunked_undo),
         (path_clip, path_chunked_clip),
+        (path, path_pooled),
     ):
         a, b = make_slots(per, per, pin, seed=1), make_slots(per, per, pin, seed=1)
         whole(a)
-        blocked(b, chunk)
+        blocked(b, chunk, *((pool,) if blocked is path_pooled else ()))
         keys = ("master", "m", "v", "staging") + (("u_master", "u_m", "u_v") if whole is path_undo else ())
         for k in keys:
             assert torch.equal(a[0][k], b[0][k]), f"{blocked.__name__} differs in {k}"
@@ -227,9 +286,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=468e6)
     ap.add_argument("--tensor", type=int, default=1536 * 8960)
-    ap.add_argument("--chunk", type=int, default=0, help="block elements; 0: adam_update's default")
+    ap.add_argument("--chunk", type=int, default=1 << 18, help="block elements of the path_chunked* cases")
     ap.add_argument("--sweep", default="", help="comma-separated block sizes to time path_chunked at")
     ap.add_argument("--hog", type=int, default=0, help="busy processes spinning during the timings")
+    ap.add_argument("--pool", type=int, default=0, help="path_pooled's threads; 0: the intra-op thread count")
     ap.add_argument("--bf16-params", type=float, default=20e6)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0: torch's default")
@@ -242,12 +302,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     pin = torch.cuda.is_available()
     total = int(args.params)
-    check_chunked(min(args.tensor, total), args.chunk, pin)
+    pool = BlockPool(args.pool or torch.get_num_threads())
+    check_chunked(min(args.tensor, total), args.chunk, pin, pool)
     slots = make_slots(total, args.tensor, pin)
     path(slots)  # first touch of every page
     res: dict[str, Any] = {"params": total, "tensor": args.tensor, "pinned": pin}
     res["threads_main"] = torch.get_num_threads()
-    res["block"] = args.chunk or default_block(torch.empty(1))
+    res["block"] = args.chunk
+    res["default_block"] = default_block(torch.empty(1))  # what adam_update uses now (0: whole tensor)
     sweep = [int(c) for c in args.sweep.split(",") if c]
     cases = [
         ("widen", widen, ()),
@@ -260,6 +322,7 @@ def main() -> None:
         ("path_chunked_undo", path_chunked_undo, (args.chunk,)),
         ("path_clip", path_clip, ()),
         ("path_chunked_clip", path_chunked_clip, (args.chunk,)),
+        ("path_pooled", path_pooled, (args.chunk, pool)),
     ] + [(f"path_chunked@{c}", path_chunked, (c,)) for c in sweep]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
     try:
@@ -269,6 +332,7 @@ def main() -> None:
             h.kill()
             h.wait()
     res["hog"] = args.hog
+    pool.close()
     worker = [in_thread(path, slots) for _ in range(args.repeat)]
     res["path_worker"] = statistics.median(s for s, _ in worker)
     res["threads_worker"] = worker[0][1]
@@ -284,7 +348,8 @@ def main() -> None:
     print(
         f"host AdamW pieces over {total / 1e6:.0f} M params in tensors of {args.tensor / 1e6:.1f} M "
         f"({'pinned' if pin else 'pageable'}); intra-op threads: main {res['threads_main']}, "
-        f"worker thread {res['threads_worker']}; busy processes: {args.hog}; block {res['block']}"
+        f"worker thread {res['threads_worker']}; busy processes: {args.hog}; block {res['block']} "
+        f"(adam_update's default now: {res['default_block'] or 'whole tensor'})"
     )
     names = [n for n, _, _ in cases[:5]] + ["path_worker"] + [n for n, _, _ in cases[5:]] + ["bf16_moments"]
     for k in names:
@@ -295,6 +360,7 @@ def main() -> None:
         )
     for whole, blocked in (
         ("path", "path_chunked"),
+        ("path", "path_pooled"),
         ("path_undo", "path_chunked_undo"),
         ("path_clip", "path_chunked_clip"),
     ):

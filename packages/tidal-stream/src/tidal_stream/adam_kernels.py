@@ -6,20 +6,38 @@ device (checked in tests). torch's other paths (single-tensor, foreach) round di
 bits, and the CPU and CUDA kernels need not agree bit for bit. bf16 moments are widened to fp32 in
 chunks, updated by the same kernel, and narrowed back with stochastic rounding so small updates are not
 systematically lost.
+
+:func:`adam_update` runs the whole per-tensor host path (undo copy, gradient widen / accumulate / clip
+scale, update, narrow of the new weight) in one call, optionally in one pass of cache-sized blocks
+(``block=``; see ``_BLOCK``), with the same bits either way.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdamHyper", "UndoCopy", "adam_update", "adam_update_many", "stochastic_round_"]
+__all__ = ["AdamHyper", "UndoCopy", "adam_update", "adam_update_many", "default_block", "stochastic_round_"]
 
 _CHUNK = 1 << 22  # elements per widened chunk of bf16 moments (16 MiB of fp32 per moment)
-# elements per cache-blocked step when an undo copy is taken: the copy reads the chunk's master and moments
-# into the CPU caches and the update then reads them from there (3 x 1 MiB of fp32)
-_UNDO_CHUNK = 1 << 18
+# elements per cache block of the host update with fp32 moments (0: whole-tensor passes, the default).
+# Blocking keeps each block's gradient scratch, master, moments, landing and staging (20 B per element)
+# in the CPU caches between the widen, the fused kernel and the narrow — ~28 B/param of memory traffic
+# instead of ~40 — but every block costs ~10-20 us of Python plus a fork/join of the intra-op threads per
+# op, and a fork/join waits for its slowest thread: one preempted by another busy thread (the training
+# loop's) stalls it for a scheduler slice. Measured on a loaded 2-core host: blocks of 256K were 1.13x
+# faster when the cores were free and 1.2-7x slower while other processes competed for them, so blocking
+# is opt-in until measured on the GPU machine (benchmarks/stream/host_adamw.py --sweep/--hog).
+_BLOCK = 0
+# with an undo copy (rollback=True): the copy brings the block's master and moments into the caches and
+# the update reads them from there (3 x 1 MiB of fp32)
+_UNDO_BLOCK = 1 << 18
+# block boundaries fall on multiples of this: the fused CPU kernel runs whole vectors except for each
+# call's tail (at most 16 fp32 with AVX-512), whose scalar code may round differently
+_ALIGN = 64
+_tls = threading.local()  # per-thread fp32 gradient scratch of one block
 
 
 @dataclass(frozen=True)
@@ -123,6 +141,27 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
     dst.copy_(rounded.view(torch.float32))
 
 
+def default_block(t: torch.Tensor, undo: bool = False) -> int:
+    """Elements per cache block of :func:`adam_update` with fp32 moments on tensors like ``t`` (0: whole).
+
+    Args:
+        t: a tensor on the device the update runs on.
+        undo: an undo copy is taken during the update.
+    """
+    if t.device.type != "cpu":
+        return 0  # device kernels stream from HBM: nothing to block
+    return _BLOCK or (_UNDO_BLOCK if undo else 0)
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """[n] fp32 scratch of the calling thread, reused across blocks and calls (stays in the CPU caches)."""
+    buf = getattr(_tls, "grad", None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=torch.float32)
+        _tls.grad = buf
+    return buf[:n]
+
+
 def adam_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -132,33 +171,86 @@ def adam_update(
     h: AdamHyper,
     generator: torch.Generator | None = None,
     undo: UndoCopy | None = None,
+    *,
+    landing: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_scale: torch.Tensor | float | None = None,
+    narrow_to: torch.Tensor | None = None,
+    block: int | None = None,
 ) -> None:
-    """One Adam(W) step on fp32 ``param`` in place; ``step`` (a 0-d fp32 tensor) is incremented first.
+    """One Adam(W) step on fp32 ``param`` in place; ``step`` (a 0-d fp32 tensor) is incremented once first.
 
-    Moments may be fp32 (one fused call) or bf16 (chunked widen → fused → stochastic round).
-    ``undo`` receives the old ``param`` and moments chunk by chunk, each just before the chunk is updated
-    (cache-blocked: the update reads what the copy just brought into the CPU caches; AdamW is
-    elementwise, so the result is the same bits); its ``copied`` says how far a failed update got.
+    The whole per-tensor host path in one call, in one pass of blocks (the whole tensor by default on
+    CPU without an undo copy, see ``_BLOCK``): per block, the undo copy, the gradient (widened from
+    ``landing`` / summed / scaled; into a small reused fp32 scratch when blocked, so it stays in the
+    CPU caches), torch's fused kernel on the block's views, and the narrowing of the new master into
+    ``narrow_to``. AdamW is elementwise and the kernel gets the same inputs per element, so every
+    blocking gives the bits of whole-tensor passes (``block=0``).
+
+    Args:
+        param: [N...] fp32 master, updated in place.
+        grad: [N...] fp32 gradient; with ``landing`` and ``accumulate=False`` it is not read. Left as it
+            was when blocked and a ``landing`` / ``grad_scale`` is given (whole-tensor: holds the result).
+        exp_avg: [N...] first moment, fp32 or bf16 (bf16: widened per block, stochastically rounded back).
+        exp_avg_sq: [N...] second moment, same dtype as ``exp_avg``.
+        step: 0-d fp32 step count, incremented once.
+        h: hyper-parameters.
+        generator: stochastic-rounding generator (bf16 moments).
+        undo: receives the old ``param`` and moments block by block, each just before the block is
+            updated; its ``copied`` says how far a failed update got.
+        landing: [N...] gradient as copied from the device (any float dtype): the gradient used is
+            ``landing`` (``accumulate=False``) or ``grad + landing`` (``accumulate=True``).
+        accumulate: add ``landing`` to ``grad`` instead of replacing it.
+        grad_scale: multiply the gradient by this (0-d tensor or float) before the update (clipping).
+        narrow_to: [N...] receives the new master in its dtype (the weight going back to the device).
+        block: elements per block with fp32 moments, rounded down to a multiple of 64 (the kernel's
+            vector tails must fall where the whole-tensor call has them); None: :func:`default_block`;
+            0: whole tensor. bf16 moments always go in chunks of ``_CHUNK`` (see below).
     """
     step.add_(1)
     p1, g1, m1, v1 = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))  # [N] each
-    if exp_avg.dtype == torch.float32:
-        if undo is None:
-            _fused([param], [grad], [exp_avg], [exp_avg_sq], [step], h)
-            return
-        for s in range(0, p1.numel(), _UNDO_CHUNK):
-            e = min(s + _UNDO_CHUNK, p1.numel())
-            undo.save((p1, m1, v1), s, e)
-            _fused([p1[s:e]], [g1[s:e]], [m1[s:e]], [v1[s:e]], [step], h)
-        return
-    for s in range(0, p1.numel(), _CHUNK):
-        e = min(s + _CHUNK, p1.numel())
+    n = p1.numel()
+    bf16 = exp_avg.dtype != torch.float32
+    if bf16:
+        # stochastic rounding draws the noise of m then v per chunk: the bits depend on the chunking, so
+        # it stays fixed (the bf16 path is bound by the generator, not by memory traffic)
+        block = _CHUNK
+    elif block is None:
+        block = default_block(param, undo is not None)
+    if block > 0:
+        block = max(_ALIGN, block - block % _ALIGN)
+    if block <= 0 or block >= n:
+        block = max(n, 1)
+    blocked = block < n
+    # the blocks' views, made in one call per tensor (per-block Python overhead is what limits small blocks)
+    ps, gs, ms, vs = (t.split(block) for t in (p1, g1, m1, v1))  # [b] each
+    ls = None if landing is None else landing.view(-1).split(block)  # [b] each
+    ns = None if narrow_to is None else narrow_to.view(-1).split(block)  # [b] each
+    scratch = _scratch(block) if blocked and (ls is not None or grad_scale is not None) else None  # [block]
+    for i, (p, g, m, v) in enumerate(zip(ps, gs, ms, vs)):
         if undo is not None:
-            undo.save((p1, m1, v1), s, e)
-        mw, vw = m1[s:e].float(), v1[s:e].float()  # [n] widened moments
-        _fused([p1[s:e]], [g1[s:e]], [mw], [vw], [step], h)
-        stochastic_round_(m1[s:e], mw, generator)
-        stochastic_round_(v1[s:e], vw, generator)
+            undo.save((p1, m1, v1), i * block, i * block + p.numel())
+        if ls is not None or grad_scale is not None:
+            dst = g if scratch is None else scratch[: p.numel()]  # [b] fp32
+            if ls is None:
+                torch.mul(g, grad_scale, out=dst)  # scale while reading (clipping)
+            else:
+                if accumulate:
+                    torch.add(g, ls[i], out=dst)  # the last micro-step's gradient, summed in fp32
+                else:
+                    dst.copy_(ls[i])  # widen
+                if grad_scale is not None:
+                    dst.mul_(grad_scale)
+            g = dst
+        if not bf16:
+            _fused([p], [g], [m], [v], [step], h)
+        else:
+            mw, vw = m.float(), v.float()  # [b] widened moments
+            _fused([p], [g], [mw], [vw], [step], h)
+            stochastic_round_(m, mw, generator)
+            stochastic_round_(v, vw, generator)
+        if ns is not None:
+            ns[i].copy_(p)  # narrow the new master into the outgoing weight
 
 
 def adam_update_many(

@@ -40,7 +40,7 @@ case "${1:-}" in
     step 100 stream.log -- python3 benchmarks/stream/full_finetune.py --budget 24GiB --warmup 3 --steps 6 --json "$out/full1.5b-fp32.json"
     step 80 stream.log -- python3 benchmarks/stream/full_finetune.py --budget 24GiB --warmup 3 --steps 6 --moment-dtype bf16 --json "$out/full1.5b-bf16.json"
     step 60 stream.log -- python3 benchmarks/stream/device_adamw.py --json "$out/device-adamw.json"
-    step 60 stream.log -- python3 benchmarks/stream/host_adamw.py --json "$out/host-adamw.json"
+    step 90 stream.log -- python3 benchmarks/stream/host_adamw.py --sweep 524288,1048576,2097152,4194304 --hog 2 --json "$out/host-adamw.json"
     step 60 stream.log -- python3 benchmarks/stream/activation_offload.py
     ;;
   compare)

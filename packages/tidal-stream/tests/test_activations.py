@@ -538,3 +538,44 @@ def test_pinned_pool_page_locks_every_block_at_exact_size_once():
     first = h.stats()["block_offloaded_bytes"][0]
     assert len(asked) == 1 and asked[0] >= 3 * first  # once, every offloaded block's share
     assert asked[0] == 3 * h.pool.hint and h.pool.hint < 3 * first  # aligned, not power-of-two rounded
+
+
+def test_copy_back_dropped_unread_orders_buffer_reuse_after_the_copy():
+    """A prefetched copy back that backward never unpacked (partial backward, failed step) makes the
+    stream its device buffer was allocated on wait for the copy before that memory is reused."""
+    from tidal_stream.activations import _Packed
+    from tidal_stream.hostmem import ActivationHostPool
+
+    waits, released = [], []
+
+    class _Event:
+        def wait(self, stream=None):
+            waits.append(stream)
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    pool = ActivationHostPool(
+        lambda n, tag: (torch.empty(n, dtype=torch.uint8), None), lambda h, after: released.append(after)
+    )
+    cur, _ = pool.begin(0)
+    slab, off = pool.carve(cur, 64)
+    pool.end(cur)
+    d2h, ready, stream = _Event(), _Event(), object()
+    p = _Packed(0, 0, None, slab.tensor[off : off + 64].view(torch.float32), slab, off, d2h, pool)
+    p.restored, p.ready, p.restored_on = torch.randn(16), ready, stream
+    del p
+    assert waits == [stream]
+    assert slab.live == 0 and slab.after == [ready]  # the slab's next writer waits for the copy back
+    # a copy back already handed to backward (the compute stream waited then) adds no wait
+    waits.clear()
+    cur, _ = pool.begin(0)
+    slab, off = pool.carve(cur, 64)
+    pool.end(cur)
+    q = _Packed(0, 1, None, slab.tensor[off : off + 64].view(torch.float32), slab, off, d2h, pool)
+    q.ready, q.restored_on = ready, stream
+    del q
+    assert waits == []

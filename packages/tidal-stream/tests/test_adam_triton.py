@@ -230,7 +230,8 @@ _HOPPER_PTX = textwrap.dedent(
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     src = ASTSource(fn=A.adamw_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+    opts = {"num_warps": 4, "enable_fp_fusion": False}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     p = k.asm["ptx"]
     # IEEE division and square root as torch's fused kernel (nvcc defaults), never the approximate ones
     assert "div.rn.f32" in p and "sqrt.rn.f32" in p and "div.full" not in p and "sqrt.approx" not in p
@@ -238,6 +239,22 @@ _HOPPER_PTX = textwrap.dedent(
     assert len(re.findall(r"ld\\.global[.\\w]*\\.v4\\.b32", p)) >= 2, "master loads"
     assert len(re.findall(r"st\\.global[.\\w]*\\.v2\\.b32", p)) >= 6, "bf16 stores"
     assert k.metadata.shared == 0
+    # the other specializations a launch can pick: fp32 moments without weight, clip or decay; fp16 grads
+    # and weights; a seed of 1 (Triton makes an int argument equal to 1 a constant); unaligned offsets
+    for dt, mdt, flags, vec, seed in [
+        ("fp32", "fp32", (False, False, False), 4, "i64"),
+        ("fp16", "bf16", (True, False, False), 8, "constexpr"),
+        ("bf16", "bf16", (True, True, True), 1, "i32"),
+    ]:
+        sig2 = {**sig, "grad_base": f"*{dt}", "w_base": f"*{dt}", "m_base": f"*{mdt}", "v_base": f"*{mdt}"}
+        c2 = {**consts, "BF16_MOMENTS": mdt == "bf16", "WEIGHT": flags[0], "HAS_COEF": flags[1]}
+        c2.update(HAS_WD=flags[2], VEC_G=vec, VEC_M=min(vec, 8), VEC_W=vec)
+        sig2["seed"] = seed
+        if seed == "constexpr":
+            c2["seed"] = 1
+        src2 = ASTSource(fn=A.adamw_kernel, signature=sig2, constexprs=c2, attrs=attrs)
+        p2 = triton.compile(src2, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        assert "div.rn.f32" in p2 and "sqrt.approx" not in p2, (dt, mdt, flags)
     print("ok")
     """
 )

@@ -123,6 +123,7 @@ class _Packed:
         "ready",
         "refs",
         "restored",
+        "restored_on",
         "seq",
         "slab",
         "unpacked",
@@ -151,8 +152,13 @@ class _Packed:
         self.unpacked = 0  # of them, unpacked since the last device copy was handed out
         self.restored: torch.Tensor | None = None  # prefetched device copy
         self.ready: StreamEvent | None = None  # guards ``restored``
+        self.restored_on: Any = None  # the stream ``restored``'s buffer was allocated on
 
     def __del__(self) -> None:
+        if self.restored is not None and self.ready is not None:
+            # why: a copy back never unpacked (partial backward, a failed step) may still be writing the
+            # buffer that frees with this view; the stream it was allocated on reuses that memory next
+            self.ready.wait(self.restored_on)
         # the graph holding this saved tensor is gone: its bytes in the slab are free once the last copy
         # touching them (the copy back, which itself waited for the copy out; else the copy out) is done
         if self.slab is not None:
@@ -434,6 +440,7 @@ class ActivationHandle:
             for p in group:
                 p.restored = _bytes_as(buf, p.offset - lo, p.host)
                 p.ready = ready
+                p.restored_on = compute
         self._stats["restore_copies"] += len(spans)
 
     def _prefetch_from(self, i: int) -> None:

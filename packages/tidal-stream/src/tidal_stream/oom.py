@@ -232,9 +232,9 @@ def install_forward_note(session: Any, model: nn.Module) -> _ForwardHandle:
     previous = model.__dict__.get("forward")
     orig = model.forward
 
-    def _run(*args: Any, **kwargs: Any) -> Any:
+    def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return orig(*args, **kwargs)
+            return fn(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             out = _annotate(session, exc, "forward")
             if out is exc:
@@ -242,13 +242,19 @@ def install_forward_note(session: Any, model: nn.Module) -> _ForwardHandle:
             raise out from exc  # pragma: no cover - Python 3.10
 
     if isinstance(orig, types.MethodType):
-        # a bound method again (with __func__), as code that re-wraps forward expects
+        func, bound_here = orig.__func__, orig.__self__ is model
+
+        # a bound method again (with __func__), as code that re-wraps forward expects; it calls the
+        # original function on the model it is bound to, so a copy of the model (copy.deepcopy rebinds
+        # bound methods in __dict__) runs its own weights, never the original model's
         def forward(_self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _run(*args, **kwargs)
+            if bound_here:
+                return _run(func, _self, *args, **kwargs)
+            return _run(orig, *args, **kwargs)
 
         functools.update_wrapper(forward, orig.__func__)
         wrapper: Any = types.MethodType(forward, model)
     else:
-        wrapper = functools.wraps(orig)(_run)
+        wrapper = functools.wraps(orig)(functools.partial(_run, orig))
     model.__dict__["forward"] = wrapper
     return _ForwardHandle(model, wrapper, previous)

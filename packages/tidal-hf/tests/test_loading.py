@@ -289,7 +289,7 @@ def test_vram_budget_is_validated():
 
 
 @pytest.mark.gpu
-def test_blocks_over_the_budget_are_filled_on_the_device_and_kept_pinned():
+def test_blocks_over_the_budget_are_filled_on_the_device_and_kept_on_the_host():
     from tidal_hf import tiny_config
 
     cfg = tiny_config(
@@ -314,7 +314,8 @@ def test_blocks_over_the_budget_are_filled_on_the_device_and_kept_pinned():
     where = {i: {p.device.type for p in b.parameters()} for i, b in enumerate(got.model.layers)}
     host = [i for i, d in where.items() if d == {"cpu"}]
     assert host, where
-    assert all(p.is_pinned() for i in host for p in got.model.layers[i].parameters())
+    # pageable: wrap() pins streamed blocks in its own arena, a pinned copy here would stay cached beside it
+    assert not any(p.is_pinned() for i in host for p in got.model.layers[i].parameters())
     assert all(d in ({"cpu"}, {"cuda"}) for d in where.values()), where
     resident = torch.cuda.memory_allocated() - start
     assert resident <= (8 - len(host)) * block + 2 * 2 * 8192 * 2048 + 2**20, (resident, host)

@@ -197,6 +197,45 @@ def test_one_process_trains_on_one_gpu(tmp_path, caplog):
     assert not isinstance(trainer.model_wrapped, torch.nn.DataParallel)
 
 
+def test_a_split_model_is_not_moved_whole_to_the_gpu(tmp_path, monkeypatch):
+    """A model load_model split between host and GPU stays split (wrap() places it); others move as usual."""
+    from transformers import Trainer
+
+    import tidal_hf.trainer as tr
+
+    model = make_tiny("llama", seed=5)
+    trainer = TidalTrainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=_Data(64))
+    moved = []
+    monkeypatch.setattr(Trainer, "_move_model_to_device", lambda self, m, d: moved.append(d))
+    monkeypatch.setattr(tr, "_split_host_device", lambda m: True)
+    trainer._move_model_to_device(model, torch.device("cuda"))
+    assert moved == []  # split: left in place
+    trainer._move_model_to_device(model, torch.device("cpu"))
+    monkeypatch.setattr(tr, "_split_host_device", lambda m: False)
+    trainer._move_model_to_device(model, torch.device("cuda"))
+    assert moved == [torch.device("cpu"), torch.device("cuda")]
+
+
+def test_split_host_device_reads_the_tensor_devices():
+    from tidal_hf.trainer import _split_host_device
+
+    model = make_tiny("llama", seed=5)
+    assert not _split_host_device(model)  # all on the host
+    model.model.layers[0].to("meta")
+    assert not _split_host_device(model)  # meta is neither host nor GPU memory
+
+
+@pytest.mark.gpu
+def test_split_model_keeps_its_host_blocks_on_cuda(tmp_path):
+    model = make_tiny("llama", seed=5).cuda()
+    host_block = model.model.layers[0]
+    for p in host_block.parameters():
+        p.data = p.data.cpu().pin_memory()  # as load_model leaves a streamed block
+    TidalTrainer(model=model, args=_args(tmp_path, use_cpu=False, max_steps=1), train_dataset=_Data(64))
+    assert all(p.device.type == "cpu" for p in host_block.parameters())
+    assert model.model.embed_tokens.weight.device.type == "cuda"
+
+
 def test_user_optimizer(tmp_path):
     from transformers import Trainer
 

@@ -7,7 +7,7 @@
    ``nn.Linear`` replaced by a ``QuantLinear``. Peak host memory: what was kept so far plus one tensor.
 3. ``random_weights=True`` fills the same shapes module by module with the model's own initialiser.
 4. On CUDA, blocks that the plan for ``vram_budget`` streams are filled on the device like the others,
-   then moved to pinned host memory module by module, so the device never holds more than what stays
+   then moved to host memory module by module, so the device never holds more than what stays
    there plus one module (a 14B bf16 base at a 24 GiB budget is never built on the device).
 
 Tied parameters (e.g. GPT-2's head and embeddings) are one Parameter registered under several names:
@@ -127,7 +127,7 @@ class _Placement:
     fmt: str | None
     """Format of the block linears (None: exact)."""
     streamed: frozenset[int] = frozenset()
-    """Indices of the blocks kept in (pinned) host memory, for ``tidal_stream.wrap`` to stream."""
+    """Indices of the blocks kept in host memory, for ``tidal_stream.wrap`` to stream."""
 
 
 def _weight_bytes(model: nn.Module, fmt: str | None) -> int:
@@ -157,7 +157,7 @@ def _decide(
     On the CPU nothing is planned: weights stay exact for ``"auto"`` and every block stays in place. On
     CUDA an explicit format (or None) whose weights take under half the budget skips the plan (the
     hardware profile takes seconds the first time); otherwise the plan chooses ``"auto"``'s format and
-    which blocks do not fit, and those are placed in pinned host memory as they are filled.
+    which blocks do not fit, and those are placed in host memory as they are filled.
     """
     if quantize is False:
         quantize = None
@@ -196,7 +196,7 @@ def _decide(
     fmt = p.quantize if quantize == "auto" else quantize
     streamed = frozenset(p.streamed_blocks) if stack is not None else frozenset()
     log.info(
-        "load_model: block linears %s, %d of %d blocks kept in pinned host memory (the plan for LoRA on %s)",
+        "load_model: block linears %s, %d of %d blocks kept in host memory (the plan for LoRA on %s)",
         fmt or "exact",
         len(streamed),
         len(stack) if stack is not None else 0,
@@ -284,16 +284,18 @@ class _Filler:
         return bool(self.host_prefixes) and f"{module_name}.".startswith(self.host_prefixes)
 
     def settle(self, module_name: str) -> None:
-        """Move the module's own tensors to pinned host memory when its block lives there."""
+        """Move the module's own tensors to host memory when its block lives there.
+
+        Pageable, not page-locked: ``tidal_stream.wrap`` copies streamed blocks into its own pinned arena,
+        and torch's pinned blocks (each rounded up to a power of two) would stay cached beside it.
+        """
         if not self.on_host(module_name):
             return
         module = self.model.get_submodule(module_name)
-        pin = torch.cuda.is_available()  # page-locked memory needs a CUDA driver
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if t.is_meta or t.device.type == "cpu":
                 continue
-            host = t.data.to("cpu")
-            t.data = host.pin_memory() if pin else host
+            t.data = t.data.to("cpu")
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """Place ``tensor`` as the model's ``name`` (cast, moved, quantized if targeted)."""
@@ -460,7 +462,7 @@ def load_model(
         seed: seed of ``random_weights``.
         vram_budget: device bytes (or ``"24GiB"``) the model will train in on CUDA; None: the memory free
             now. The plan for that budget picks ``"auto"``'s format and the blocks that do not fit: those
-            are filled on the device and kept in pinned host memory for ``tidal_stream.wrap`` to stream.
+            are filled on the device and kept in host memory for ``tidal_stream.wrap`` to stream.
         **config_overrides: config fields to change (e.g. ``num_hidden_layers=2``).
 
     Returns:

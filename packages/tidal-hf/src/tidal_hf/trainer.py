@@ -66,6 +66,12 @@ def wrap_hf(
     return wrap(model, optimizer, **options)
 
 
+def _split_host_device(model: nn.Module) -> bool:
+    """Whether the model's tensors lie partly in host memory and partly on a GPU."""
+    kinds = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    return {"cpu", "cuda"} <= kinds
+
+
 class TidalTrainer(Trainer):
     """A ``transformers.Trainer`` that trains through tidal (see the module docstring).
 
@@ -144,6 +150,20 @@ class TidalTrainer(Trainer):
                 self.args.device,
             )
             self.args._n_gpu = 1
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """Leave a model split between host and device (``load_model(..., vram_budget=...)``) where it is.
+
+        Its host blocks are the plan's streamed share: moving them would put the whole model on the device,
+        the out-of-memory the budget exists to avoid. ``wrap()`` moves the resident rest to the device when
+        the optimizer is created. A model wholly on one device moves as the Trainer moves it.
+        """
+        if torch.device(device).type == "cuda" and _split_host_device(model):
+            log.info(
+                "TidalTrainer: the model is split between host and device memory; left in place for wrap()"
+            )
+            return
+        super()._move_model_to_device(model, device)
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self) -> torch.optim.Optimizer:

@@ -63,7 +63,7 @@ def _load_auto(ctx: RunContext) -> nn.Module:
     """``tidal_hf.load_model`` with random weights of the scenario's exact shape, quantize="auto".
 
     The budget goes along, so the loader's plan decides both the format and which blocks it leaves in
-    pinned host memory for ``wrap`` to stream (a 14B bf16 base at 24 GiB is never built on the device).
+    host memory for ``wrap`` to stream (a 14B bf16 base at 24 GiB is never built on the device).
     """
     from tidal_hf import load_model
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: on a GPU machine with torch/triton/cupy/transformers/peft preinstalled and no network.
 # Puts every package's src on PYTHONPATH (no install), runs `pytest -m gpu` per package and over
-# tests-integration/ with TIDAL_REQUIRE_GPU=1, writes one merged JUnit XML (junit.xml), the full log
+# tests-integration/ and benchmarks/tests/ with TIDAL_REQUIRE_GPU=1, writes one merged JUnit XML (junit.xml), the full log
 # (gpu-suite.log) and the summary (summary.txt) under $OUT when set — three files, since the GPU machine
 # returns only a few — and prints a per-package passed/failed/time table last. Extra arguments go to
 # every pytest call.
@@ -19,7 +19,7 @@ if python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 
   plugin=()
 fi
 targets=()
-for d in packages/*/tests tests-integration; do [ -d "$d" ] && targets+=("$d"); done
+for d in packages/*/tests tests-integration benchmarks/tests; do [ -d "$d" ] && targets+=("$d"); done
 summary=()
 total_start=$(date +%s)
 status=0

@@ -6,6 +6,7 @@ for the shared model, data and single-process reference.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -126,12 +127,26 @@ def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Pa
         "fetches": ws["fetches"],
         "peer_pooling": rep["distributed"]["peer_pooling"],
         "events": [e["message"] for e in rep["events"]],
+        "adopted_host_bytes": ws["adopted_host_bytes"],
+        "shared": rep["distributed"].get("shared_host"),
     }
+    exts = model._tidal_session.extensions
+    shared = next(e.shared for e in exts if hasattr(e, "shared")) if out["shared"] is not None else None
+    if shared is not None:
+        # every streamed frozen tensor's host copy is a view of the machine's shared mapping
+        sb = next(e.weights.sb for e in exts if hasattr(e, "weights"))
+        out["host_copies_in_mapping"] = all(shared.owns(t) for i in range(len(sb)) for t in sb.host_copies(i))
     torch.save(
         {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
         outdir / f"params{rank}.pt",
     )
+    dist.barrier()  # keep every mapping alive until all ranks have read their smaps
     unwrap(model)  # collective: readers drop the peers' buffers before owners free them
+    if shared is not None:
+        del shared, sb, exts
+        gc.collect()
+        with open("/proc/self/smaps") as f:
+            out["mapped_after_unwrap"] = out["shared"]["path"] in f.read()
     return out
 
 
@@ -248,6 +263,7 @@ def main() -> None:
         timeout=cfg.get("timeout", 30.0),
         peer_pooling=cfg.get("peer_pooling", False),
         peer_pool_bytes=cfg.get("peer_pool_bytes"),
+        share_frozen=cfg.get("share_frozen", True),
     )
     out: dict = {"rank": rank}
     if scenario == "parity":

@@ -450,7 +450,9 @@ def _pool_runs(tmp: pathlib.Path, mode: object, **cfg: object) -> tuple[list[dic
         (tmp / name).mkdir()
         # room for one block per GPU (after the peer's context): blocks 0 and 1 pool, 2 and 3 stay on host
         room = PEER_CONTEXT_BYTES + _BLOCK + 4096
-        res = launch("pool", 2, tmp / name, limit_s=90.0, peer_pooling=pooling, peer_pool_bytes=room, **cfg)
+        # 45 s a launch (two ranks' cold CUDA start is ~5-15 s each, in parallel): both launches stay within
+        # the GPU suite's 100 s per test, so a slow rank fails here with its log rather than in a timeout
+        res = launch("pool", 2, tmp / name, limit_s=45.0, peer_pooling=pooling, peer_pool_bytes=room, **cfg)
         _ok(res)
         runs.append(res)
     return runs[0], runs[1]
@@ -503,3 +505,33 @@ def test_peer_pool_nccl_two_gpus(tmp_path: pathlib.Path) -> None:
     _check_pool(off, on, tmp_path, "peer pooling: on: 2 of 4 frozen streamed blocks pooled")
     line = next(m for m in on[0]["events"] if "peer pooling: on" in m)
     print(line)  # the measured rates, for the record (pytest -s)
+
+
+def test_streamed_frozen_blocks_read_the_shared_copy(tmp_path: pathlib.Path) -> None:
+    """2 CPU ranks streaming frozen blocks: their host copies are the node's shared mapping (one copy per
+    node by Pss, no private copy per rank); training is bit-identical to private host copies; unwrap()
+    leaves nothing mapped."""
+    world, page = 2, 4096
+    (tmp_path / "private").mkdir()
+    (tmp_path / "shared").mkdir()
+    priv = launch("pool", world, tmp_path / "private", device="cpu", share_frozen=False)
+    res = launch("pool", world, tmp_path / "shared", device="cpu")
+    _ok(priv)
+    _ok(res)
+    streamed_frozen = 4 * (256 * 256 + 256) * 4  # the four frozen bases, fp32
+    for r, (a, b) in enumerate(zip(priv, res)):
+        assert a["losses"] == b["losses"], (r, a["losses"], b["losses"])
+        pa = torch.load(tmp_path / "private" / f"params{r}.pt", weights_only=True)
+        pb = torch.load(tmp_path / "shared" / f"params{r}.pt", weights_only=True)
+        for k in pa:
+            assert_bitwise_equal(pb[k], pa[k])
+        assert a["shared"] is None and a["adopted_host_bytes"] == 0  # the old layout: private copies
+        # no private host copy: every streamed frozen byte is read in place from the mapping
+        assert b["adopted_host_bytes"] == streamed_frozen and b["host_copies_in_mapping"]
+        assert b["h2d_bytes"] == a["h2d_bytes"] > 0  # the same refills, from the mapping
+        assert b["shared"]["mapped_rss"] >= streamed_frozen - page  # every rank reads all of it ...
+        assert not b["mapped_after_unwrap"]  # ... and unwrap() released it
+    nbytes = res[0]["shared"]["bytes"]
+    assert nbytes >= streamed_frozen and sum(r["shared"]["counted_bytes"] for r in res) == nbytes
+    pss = sum(r["shared"]["mapped_pss"] for r in res)  # ... once per node, by the kernel's accounting
+    assert abs(pss - -(-nbytes // page) * page) <= world * 1024, (pss, nbytes)

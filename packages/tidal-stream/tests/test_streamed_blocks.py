@@ -262,3 +262,33 @@ def test_reading_a_streamed_weight_between_uses_raises_a_clear_error():
     assert type(w) is nn.Parameter and type(model.layers[2].scale) is torch.Tensor
     assert_bitwise_equal(w.clone(), ref.layers[2].up.weight)
     assert_bitwise_equal(copy.deepcopy(model).layers[2].scale, ref.layers[2].scale)
+
+
+def test_adopt_host_reads_frozen_tensors_in_place():
+    """``adopt_host``: frozen tensors it accepts are their own host copies (no private copy); the others
+    (trainable ones, buffers it refuses) are copied; training stays bit-exact; remove() refills them all."""
+    ref, model = make(torch.float32, "cpu")
+    frozen = [layer.frozen.weight for layer in model.layers]
+    before = {id(p): (p.data, p.data_ptr()) for p in frozen}
+    asked = []
+
+    def adopt(t: torch.Tensor) -> bool:
+        asked.append(t.requires_grad)
+        return any(t.data_ptr() == ptr for _, ptr in before.values())
+
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, adopt_host=adopt)
+    assert asked and not any(asked)  # asked about frozen tensors only
+    for p in frozen:
+        host = sb.host_tensor(p)
+        assert host.data_ptr() == before[id(p)][1]  # the very memory the weight was in
+        assert p.untyped_storage().nbytes() == 0  # the parameter streams as usual
+    others = [s for b in model.layers for s in (b.up.weight, b.scale)]
+    assert all(sb.host_tensor(t).data_ptr() != t.data_ptr() for t in others)
+    assert sb.stats()["adopted_host_bytes"] == sum(p.numel() * p.element_size() for p in frozen)
+    run_steps(ref, model, sb, "cpu")
+    for p in frozen:  # read, never written
+        assert_bitwise_equal(before[id(p)][0], sb.host_tensor(p))
+    sb.remove()
+    for p, (host, ptr) in zip(frozen, before.values()):
+        assert p.data_ptr() != ptr  # a device (here: private) copy again, the adopted memory unreferenced
+        assert_bitwise_equal(p.detach(), host)

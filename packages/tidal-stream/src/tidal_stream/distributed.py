@@ -405,7 +405,9 @@ class _DistributedExtension:
         return {"distributed": out}
 
     def remove(self) -> None:
-        """Nothing to undo: frozen weights stay in the shared mapping (alive while referenced)."""
+        """Drop the reference to the shared mapping; frozen weights still viewing it keep it alive."""
+        if self.shared is not None:
+            self.shared.release()
 
 
 def wrap_distributed(
@@ -470,12 +472,14 @@ def wrap_distributed(
         session.record(
             "shared-host",
             "shared host copy: off on CUDA: resident frozen weights live on the device, and streamed blocks "
-            "keep one host copy per rank (StreamedBlocks cannot take an external host copy yet)",
+            "keep one pinned host copy per rank (the mapping is not page-locked for the GPU yet)",
         )
     elif config.share_frozen:
         token = uuid.uuid4().hex[:16] if ctx.rank == 0 else None
         token = ctx.all_objects(token, "shared copy name exchange")[0]
         shared = SharedHostCopy.share_frozen(model, ctx, config.shm_dir, token, session.record)
+        # weights.install reads it: streamed blocks take their frozen host copies from the mapping in place
+        session.shared_host = shared
     pooling = config.peer_pooling is not False and device.type == "cuda"
     reserve = config.peer_pool_bytes if pooling and config.peer_pool_bytes is not None else 0
     _plan_share(session, model, opts, ctx, shared.nbytes if shared is not None else 0, reserve)

@@ -64,6 +64,8 @@ class Session:
         self.d2h_bytes = 0
         self.handles: list[Any] = []
         self.extensions: list[Any] = []
+        # the node's shared host copy of frozen weights under data parallel (streamed blocks read it in place)
+        self.shared_host: Any | None = None
 
     def record(self, kind: str, message: str, **data: Any) -> None:
         """Append a decision to the log, log it, and print it when ``verbose``."""

@@ -13,6 +13,12 @@ proportional share), so the local ranks' ``Pss`` add up to the copy's resident s
 [Note: frozen means read-only] every local rank reads the same pages: writing a shared frozen weight in
 place changes it on every rank of the machine. Frozen weights must be identical on every rank (they are
 not broadcast); each machine's local rank 0 fills its copy from its own model.
+
+Streamed blocks: the copy is placed before weight streaming is installed, and ``StreamedBlocks`` reads
+the frozen tensors it finds in the mapping in place (``adopt_host=copy.owns``) instead of copying them
+into private host buffers, so a rank holds no second copy of its streamed frozen weights.
+:meth:`SharedHostCopy.release` (at ``unwrap()``) drops this object's reference to the mapping; the
+kernel unmaps it once no tensor views it any more.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class SharedHostCopy:
                 param = mod._parameters[name]
                 assert param is not None and param is t
                 param.data = view  # the Parameter object stays; its private storage is freed
-        self._buf = buf
+        self._buf: torch.Tensor | None = buf
         ctx.barrier("shared host copy: every local rank mapped it")
         if ctx.local_rank == 0:
             os.unlink(self.path)  # the mappings stay; the name is gone (no leftover on a crash)
@@ -132,6 +138,18 @@ class SharedHostCopy:
             local_world=ctx.local_world,
         )
         return copy
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """``t`` lies in this rank's mapping of the copy (a view :meth:`share_frozen` made)."""
+        buf = self._buf
+        if buf is None or t.device.type != "cpu":
+            return False
+        lo, n = buf.data_ptr(), t.numel() * t.element_size()
+        return lo <= t.data_ptr() and t.data_ptr() + n <= lo + self.nbytes
+
+    def release(self) -> None:
+        """Drop this object's reference to the mapping (``unwrap()``); tensors still viewing it keep it."""
+        self._buf = None
 
     def smaps(self) -> dict[str, int]:
         """This process's ``Rss`` and ``Pss`` of the shared mapping, bytes (from ``/proc/self/smaps``)."""

@@ -38,8 +38,9 @@ from torch import nn
 
 from tidal_stream._empty_guard import guard, unguard
 from tidal_stream._host_buffers import HostBuffers
+from tidal_stream._stream_slots import _Block, _Slot, _tensors_of
 from tidal_stream.errors import StreamError
-from tidal_stream.streams import NullStream, StreamEvent, device_streams, record_event, stream_context
+from tidal_stream.streams import NullStream, device_streams, record_event, stream_context
 
 __all__ = ["ResidencyEvent", "SlotBudgetError", "StreamedBlocks", "StreamingError"]
 
@@ -74,38 +75,6 @@ class ResidencyEvent:
     """Device bytes of the resident blocks after the change."""
 
 
-@dataclass
-class _Slot:
-    tensor: torch.Tensor  # the Parameter or buffer tensor whose device storage is resized
-    host: torch.Tensor  # host master copy, same shape/strides
-    nbytes: int
-    trainable: bool
-    source: torch.Tensor | None = None  # read instead of ``host`` when set (see ``set_source``)
-
-
-@dataclass
-class _Block:
-    index: int
-    module: nn.Module
-    slots: list[_Slot]
-    nbytes: int
-    resident: bool = False
-    ready: StreamEvent | None = None  # guards the H2D copy of the last refill
-    compute: Any = None  # the stream the block's kernels were issued on in forward
-    sourced: bool = False  # refilled from ``set_source`` tensors instead of the host copies
-
-
-def _tensors_of(output: Any) -> list[torch.Tensor]:
-    """Tensors that require grad inside a (nested) tuple/list/dict output."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors_of(o)]
-    return []
-
-
 class StreamedBlocks:
     """Stream the weights of an ordered block stack with at most ``prefetch_ahead + 1`` blocks resident.
 
@@ -128,6 +97,10 @@ class StreamedBlocks:
             has been written to their host copies (:meth:`host_tensor`).
         stream_trainable: Stream parameters that require grad too (full fine-tuning). False leaves them
             where they are, untouched (e.g. LoRA adapters next to a streamed frozen base).
+        adopt_host: Optional ``fn(tensor) -> bool``: a frozen host tensor for which it is True is used in
+            place as its own host copy (no private copy), e.g. a view of the machine-wide shared mapping
+            of :mod:`tidal_stream.shared_host`; it must stay valid and unchanged while streamed (and be
+            page-locked on CUDA, e.g. ``cudaHostRegister``, or the H2D copies from it are synchronous).
 
     Raises:
         StreamingError: a parameter is shared by two blocks, or a block tensor is not dense.
@@ -149,6 +122,7 @@ class StreamedBlocks:
         keep_resident: Sequence[int] = (),
         before_fetch: Callable[[int, list[torch.Tensor]], None] | None = None,
         stream_trainable: bool = True,
+        adopt_host: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         if not isinstance(prefetch_ahead, int) or isinstance(prefetch_ahead, bool) or prefetch_ahead < 0:
             raise StreamingError(
@@ -195,6 +169,8 @@ class StreamedBlocks:
         self.max_inflight_bytes = max_inflight_bytes
         self.stream_trainable = bool(stream_trainable)
         self._pinned: set[int] = set()
+        self.adopt_host = adopt_host
+        self._adopted_bytes = 0  # host bytes used in place (adopt_host), not copied
         self._blocks = self._adopt(blocks)
         largest = max(b.nbytes for b in self._blocks)
         if max_inflight_bytes is not None and max_inflight_bytes < largest:
@@ -247,8 +223,9 @@ class StreamedBlocks:
             plan.append(found)
         # pass 2: move every tensor to host memory and empty its device storage
         align = 512  # the arena's default block alignment
+        own = [t for f in plan for _, _, t, _ in f if not self._adopts(t)]
         self.host.reserve_own_arena(
-            sum((t.numel() * t.element_size() + align - 1) // align * align for f in plan for _, _, t, _ in f)
+            sum((t.numel() * t.element_size() + align - 1) // align * align for t in own)
         )
         out: list[_Block] = []
         for i, (mod, found) in enumerate(zip(modules, plan)):
@@ -256,10 +233,20 @@ class StreamedBlocks:
             out.append(_Block(i, mod, slots, sum(s.nbytes for s in slots)))
         return out
 
+    def _adopts(self, t: torch.Tensor) -> bool:
+        """``t`` is a frozen host tensor that ``adopt_host`` lets serve as its own host copy."""
+        if self.adopt_host is None or t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        return bool(self.adopt_host(t))
+
     def _adopt_tensor(self, owner: nn.Module, name: str, t: torch.Tensor, is_param: bool, i: int) -> _Slot:
         src = t.detach()
-        host = self.host.empty_like(src.contiguous(), tag=f"stream.block{i}.{name}")
-        host.copy_(src)
+        if self._adopts(t):
+            host = src  # the shared host copy itself: read in place, never written (frozen)
+            self._adopted_bytes += src.numel() * src.element_size()
+        else:
+            host = self.host.empty_like(src.contiguous(), tag=f"stream.block{i}.{name}")
+            host.copy_(src)
         dev = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # [same shape], contiguous
         if is_param:
             t.data = dev  # the Parameter object stays; only its data moves
@@ -536,7 +523,8 @@ class StreamedBlocks:
         ``h2d_ms`` (host copy time on the H2D stream), ``h2d_gbps``, ``stall_ms``
         (time compute waited for weights), ``fetches``, ``demand_fetches`` (not prefetched in time),
         ``resident_peak_blocks`` and ``resident_peak_bytes`` (of the streaming window, blocks kept
-        resident excluded), ``resident_now``, ``kept_resident``, ``block_bytes``, ``degraded``.
+        resident excluded), ``resident_now``, ``kept_resident``, ``block_bytes``, ``degraded``,
+        ``adopted_host_bytes`` (host copies used in place through ``adopt_host``, not copied).
 
         On CUDA this synchronizes the recorded timing events.
         """
@@ -557,6 +545,7 @@ class StreamedBlocks:
             "block_bytes": self.block_bytes(),
             "prefetch_ahead": self.prefetch_ahead,
             "degraded": list(self.host.degraded),
+            "adopted_host_bytes": self._adopted_bytes,
         }
 
     def reset_stats(self) -> None:

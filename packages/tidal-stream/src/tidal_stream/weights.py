@@ -103,9 +103,8 @@ class WeightStreamingHandle:
         new = sorted(_check_indices("streamed_indices", indices, len(self.blocks)))
         for i in range(len(self.blocks)):
             self.sb.set_resident(self._pos[i], i not in new)
-        self._note_change(
-            stopped=sorted(set(self._streamed) - set(new)), started=sorted(set(new) - set(self._streamed))
-        )
+        old = set(self._streamed)
+        self._note_change(stopped=sorted(old - set(new)), started=sorted(set(new) - old))
         self._streamed = new
         self._ever.update(new)
 
@@ -138,9 +137,8 @@ class WeightStreamingHandle:
 
     def _note_change(self, stopped: list[int], started: list[int]) -> None:
         if stopped or started:
-            self._changes.append(
-                {"stopped": stopped, "started": started, "h2d_bytes_before": self.sb.h2d_bytes}
-            )
+            before = self.sb.h2d_bytes
+            self._changes.append({"stopped": stopped, "started": started, "h2d_bytes_before": before})
 
     def host_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The host copy of a streamed block's parameter/buffer, or None when it is not streamed."""
@@ -190,6 +188,7 @@ def install_weight_streaming(
     streams: Any | None = None,
     adaptive: bool = False,
     stream_trainable: bool = True,
+    adopt_host: Any | None = None,
 ) -> WeightStreamingHandle:
     """Stream the weights of ``blocks[i]`` for ``i in streamed_indices``; the other blocks are untouched
     (or, with ``adaptive``, kept resident by the same machinery so they can be streamed later).
@@ -207,6 +206,7 @@ def install_weight_streaming(
             resident blocks are kept too).
         stream_trainable: Stream trainable parameters too (full fine-tuning; the optimizer must then
             update the host copies). False keeps them resident (LoRA adapters).
+        adopt_host: ``StreamedBlocks``' ``adopt_host``: frozen host tensors used in place as host copies.
 
     Returns:
         A :class:`WeightStreamingHandle` (``.remove()``, ``.stats()``).
@@ -226,6 +226,7 @@ def install_weight_streaming(
         max_inflight_bytes=max_inflight_bytes,
         keep_resident=keep,
         stream_trainable=stream_trainable,
+        adopt_host=adopt_host,
     )
     logger.info(
         "weight streaming on %s: %d of %d blocks streamed (%s), prefetch %d",
@@ -543,6 +544,7 @@ def install(session: Any, model: nn.Module, options: Any) -> WeightsExtension | 
             max_inflight_bytes=inflight,
             streams=session.streams,
             stream_trainable=stream_trainable,
+            adopt_host=getattr(getattr(session, "shared_host", None), "owns", None),
         )
         session.record(
             "weights",

@@ -20,7 +20,7 @@ import torch
 
 from tidal_stream import OptionError, StreamError
 from tidal_stream.distributed import DistributedConfig, host_ram_share, local_layout, resolve_distributed
-from tidal_testing import assert_bitwise_equal, max_abs_diff
+from tidal_testing import assert_bitwise_equal, max_abs_diff, torch_threads
 
 HERE = pathlib.Path(__file__).parent
 WORKER = HERE / "dp_worker.py"
@@ -57,10 +57,8 @@ FULL_BATCH = 1e-6
 @pytest.fixture(autouse=True)
 def _one_thread():
     """References computed here run on one thread, as the ranks do (OMP_NUM_THREADS=1)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with torch_threads(1):
+        yield
 
 
 def _free_port() -> int:

@@ -24,17 +24,15 @@ from tidal_stream.peer_pool import (
     pool_room,
 )
 from tidal_stream.streamed_blocks import StreamedBlocks, StreamingError
-from tidal_testing import assert_bitwise_equal
+from tidal_testing import assert_bitwise_equal, torch_threads
 
 MiB = 2**20
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with torch_threads(1):
+        yield
 
 
 def test_assign_blocks_round_robin_within_room() -> None:

@@ -54,23 +54,21 @@ def make_batch(args: argparse.Namespace, device: torch.device, step: int) -> tor
 
 
 class HostTimer:
-    """Time the host optimizer's jobs on its worker thread (``OffloadAdamW._land`` / ``_update``).
+    """Time the host optimizer's jobs on its worker thread (``OffloadAdamW._land_now`` / ``_update_now``).
 
-    ``_land`` waits for a gradient's copy, widens it and (without clipping) runs the update
-    (``_update_now``, or ``_update`` in older builds), which runs the AdamW update and queues the new
-    weight's copy back; both are wrapped on the instance, so the optimizer's code is unchanged. Only the
-    worker thread adds to the sums.
+    ``_land_now`` waits for a gradient's copy, widens it and (without clipping) runs the update
+    (``_update_now``: the AdamW update and the new weight's copy back); both are wrapped on the instance,
+    so the optimizer's code is unchanged. Only the worker thread adds to the sums.
     """
 
     def __init__(self, opt: object) -> None:
         self.land_s = self.update_s = 0.0
         self.updates = 0
-        inner = "_update_now" if hasattr(opt, "_update_now") else "_update"
-        self.active = hasattr(opt, "_land") and hasattr(opt, inner)
-        if not self.active:
+        self.active = hasattr(opt, "_land_now") and hasattr(opt, "_update_now")
+        if not self.active:  # the data-parallel optimizer has other jobs
             return
-        opt._land = self._timed(opt._land, "land_s")
-        setattr(opt, inner, self._timed(getattr(opt, inner), "update_s", counts_updates=True))
+        opt._land_now = self._timed(opt._land_now, "land_s")
+        opt._update_now = self._timed(opt._update_now, "update_s", counts_updates=True)
 
     def _timed(self, fn: Any, total: str, counts_updates: bool = False) -> Any:
         """``fn`` wrapped to add its wall seconds to the attribute ``total`` (and each call to ``updates``)."""

@@ -349,7 +349,20 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
         # hyper-parameters are read now, on the caller's thread: a scheduler may change lr before the job runs
         hyper = AdamHyper.from_group(s.group)
         now = last and self.max_grad_norm is None and not self.delayed_update
-        self._submit(s, now, self._land, s, landed, direct, self._micro, last, hyper, self._gen)
+        self._submit(
+            s,
+            now,
+            self._in_step,
+            self._gen,
+            self._land_now,
+            s,
+            landed,
+            direct,
+            self._micro,
+            last,
+            hyper,
+            self._gen,
+        )
 
     def _submit(self, s: _Slot, updates: bool, fn: Any, *args: Any) -> None:
         """Queue a worker job; ``updates``: it updates ``s``, whose readers wait until it is done.
@@ -382,20 +395,12 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
             ev.synchronize()  # why: the copy still reads this gradient; it may be freed only after
             self._inflight_bytes -= n
 
-    def _land(
-        self,
-        s: _Slot,
-        landed: StreamEvent,
-        direct: bool,
-        micro: int,
-        last: bool,
-        hyper: AdamHyper,
-        gen: int,
-    ) -> None:
+    def _in_step(self, gen: int, job: Any, *args: Any) -> None:
+        """Run a host job of step ``gen``; a failure marks that step as the one the rollback undoes."""
         try:
-            self._land_now(s, landed, direct, micro, last, hyper, gen)
+            job(*args)
         except BaseException:
-            self._failed_gen = gen  # the step whose updates the rollback undoes
+            self._failed_gen = gen
             raise
 
     def _land_now(
@@ -425,13 +430,6 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
             elif now:
                 # the update widens (or accumulates) the landed gradient block by block itself
                 self._update_now(s, None, hyper, gen, land=None if direct else micro > 0)
-
-    def _update(self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int) -> None:
-        try:
-            self._update_now(s, coef, hyper, gen)
-        except BaseException:
-            self._failed_gen = gen  # the step whose updates the rollback undoes
-            raise
 
     def _update_now(
         self, s: _Slot, coef: torch.Tensor | None, hyper: AdamHyper, gen: int, land: bool | None = None
@@ -510,7 +508,17 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
                 # order, so the next forward's first blocks wait for the first updates only
                 for s in sorted(self._landed, key=lambda s: s.index):
                     hyper = AdamHyper.from_group(s.group)
-                    self._submit(s, not self.delayed_update, self._update, s, coef, hyper, self._gen)
+                    self._submit(
+                        s,
+                        not self.delayed_update,
+                        self._in_step,
+                        self._gen,
+                        self._update_now,
+                        s,
+                        coef,
+                        hyper,
+                        self._gen,
+                    )
             self._landed = []
             self._device_update(coef)
             self._gen += 1  # this step's updates are all queued: later undo copies belong to the next

@@ -292,3 +292,17 @@ def test_adopt_host_reads_frozen_tensors_in_place():
     for p, (host, ptr) in zip(frozen, before.values()):
         assert p.data_ptr() != ptr  # a device (here: private) copy again, the adopted memory unreferenced
         assert_bitwise_equal(p.detach(), host)
+
+
+def test_gathered_blocks_have_plain_classes_so_torch_optimizers_take_their_foreach_path():
+    """torch's optimizers use foreach only for exactly Tensor/Parameter: inside gathered() the guard steps
+    aside (the storage is filled), and on exit it is back with its name."""
+    _, model = make(torch.float32, "cpu")
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1)
+    w, scale = model.layers[2].up.weight, model.layers[2].scale
+    assert type(w) is not nn.Parameter
+    with sb.gathered():
+        assert all(type(p) is nn.Parameter for p in model.layers.parameters())
+        assert type(scale) is torch.Tensor and w.detach().sum().isfinite()  # readable
+    with pytest.raises(StreamingError, match=r"block 2 Linear\.weight"):
+        w.sum()

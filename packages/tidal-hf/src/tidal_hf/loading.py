@@ -155,8 +155,8 @@ def _decide(
     """The block-linear format and the blocks left on the host, by the tidal plan for LoRA on ``device``.
 
     On the CPU nothing is planned: weights stay exact for ``"auto"`` and every block stays in place. On
-    CUDA an explicit format (or None) whose weights take under half the budget skips the plan (the
-    hardware profile takes seconds the first time); otherwise the plan chooses ``"auto"``'s format and
+    CUDA without a ``vram_budget``, an explicit format (or None) whose weights take under half the free
+    memory skips the plan (the hardware profile takes seconds the first time); otherwise the plan chooses ``"auto"``'s format and
     which blocks do not fit, and those are placed in host memory as they are filled.
     """
     if quantize is False:
@@ -168,14 +168,12 @@ def _decide(
             log.info("load_model: quantize='auto' keeps weights exact on %s (nothing to fit)", device)
             return _Placement(None)
         return _Placement(quantize)
-    from tidal_plan import PlanConfig, census, parse_bytes, plan, profile_hardware
+    from tidal_plan import PlanConfig, census, plan, profile_hardware
 
-    if quantize != "auto" and profile is None:
-        room = vram_budget if isinstance(vram_budget, int) else None
-        if room is None:
-            room = parse_bytes(vram_budget) if vram_budget is not None else torch.cuda.mem_get_info(device)[0]
-        if 2 * _weight_bytes(model, quantize) <= room:
-            return _Placement(quantize)
+    # a budget given is planned: weights at half of it can still leave too little for activations and loss
+    unplanned = quantize != "auto" and profile is None and vram_budget is None
+    if unplanned and 2 * _weight_bytes(model, quantize) <= torch.cuda.mem_get_info(device)[0]:
+        return _Placement(quantize)
     stack = find_block_stack(model)
     # plan for LoRA: the base frozen while planning; the blocks' 1-D parameters (norms, biases) stand in for
     # the adapters, which are as small. Flags are restored after.

@@ -14,13 +14,15 @@ are left as they are. :func:`unguard` restores the class.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["guard", "unguard"]
+__all__ = ["guard", "unguard", "unguarded"]
 
 # calls that read no element: allowed on an empty tensor (``__get__`` / ``__set__``: attributes)
 _METADATA = frozenset(
@@ -126,3 +128,23 @@ def unguard(t: torch.Tensor) -> None:
     else:
         return
     t.__dict__.pop(_NAME, None)
+
+
+@contextlib.contextmanager
+def unguarded(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Plain classes for the duration, guards (and names) restored after.
+
+    For spans where the storage is filled (``StreamedBlocks.gathered``): torch's optimizers take their
+    multi-tensor (foreach) path only for exactly ``torch.Tensor`` / ``nn.Parameter``, so a guarded class
+    there would silently switch them to the per-tensor path (slower, and not bit-identical to foreach).
+    """
+    names = {}
+    for t in tensors:
+        if isinstance(t, (_GuardedParameter, _GuardedTensor)):
+            names[id(t)] = (t, t.__dict__.get(_NAME, "a streamed tensor"))
+            unguard(t)
+    try:
+        yield
+    finally:
+        for t, name in names.values():
+            guard(t, name)

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tidal_stream._empty_guard import guard, unguard
+from tidal_stream._empty_guard import guard, unguard, unguarded
 from tidal_stream._host_buffers import HostBuffers
 from tidal_stream._stream_slots import _Block, _Slot, _tensors_of
 from tidal_stream.errors import StreamError
@@ -511,7 +511,10 @@ class StreamedBlocks:
             self._fetch(b.index, "gather", compute)
             self._make_ready(b.index, "gather")
         try:
-            yield
+            with unguarded(
+                s.tensor for b in self._blocks for s in b.slots
+            ):  # filled: plain classes (foreach)
+                yield
         finally:
             if writeback:
                 self._writeback(self._blocks, compute)

@@ -304,6 +304,9 @@ def test_blocks_over_the_budget_are_filled_on_the_device_and_kept_on_the_host():
     )
     block = 2 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632)  # bf16 bytes of one block's linears
     budget = 2 * 2**30  # 8 blocks (720 MB) + the plan's activations (486 MiB) and loss (384 MiB) do not fit
+    from tidal_plan import profile_hardware
+
+    profile_hardware("cuda", vram_budget=budget)  # measured (probe buffers) and cached before the peak counts
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()

@@ -379,15 +379,17 @@ def lora_config() -> Any:
     )
 
 
-def add_lora(model: nn.Module, seed: int = 0) -> nn.Module:
+def add_lora(model: nn.Module, seed: int = 0, config_hook: Callable[[Any], Any] | None = None) -> nn.Module:
     """Wrap ``model`` with PEFT LoRA (base frozen; fp32 adapters, PEFT's default), adapters seeded by name.
 
     The adapters get the same values in every engine (A ~ N(0, 0.02), B = 0) whatever PEFT's own init
-    and wherever the base lives.
+    and wherever the base lives. ``config_hook`` may extend the shared config (e.g. teach PEFT an
+    engine's own quantized linear) and returns it.
     """
     import peft
 
-    model = peft.get_peft_model(model, lora_config())
+    config = lora_config() if config_hook is None else config_hook(lora_config())
+    model = peft.get_peft_model(model, config)
     for name, p in model.named_parameters():
         if "lora_" in name and p.device.type != "meta":
             fill_(name, p.data, seed)

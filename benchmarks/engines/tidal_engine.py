@@ -81,6 +81,22 @@ def _load_auto(ctx: RunContext) -> nn.Module:
         )
 
 
+def _allocatable(budget: int, device: torch.device) -> int:
+    """``budget``, or less when this process can no longer allocate all of it on the simulated card.
+
+    The filler leaves the budget free when the engine starts; the CUDA context's later growth (kernel
+    modules loaded, cuBLAS workspaces) then takes a little of it, and ``wrap`` refuses a budget above
+    what is allocatable. Every engine lives with the same card.
+    """
+    if device.type != "cuda":
+        return budget
+    from tidal_plan.measure import cuda_usable_bytes
+
+    free, total = torch.cuda.mem_get_info(device)
+    can = torch.cuda.memory_allocated(device) + cuda_usable_bytes(device.index or 0, free, total, [])
+    return min(budget, can)
+
+
 def build_model(
     scenario: Scenario,
     fmt: str | None,
@@ -119,7 +135,9 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     if fmt == "auto":
         model = _load_auto(ctx)
         if sc.mode == "lora":
-            model = add_lora(model, ctx.seed)
+            from tidal_hf import enable_peft_quant
+
+            model = add_lora(model, ctx.seed, enable_peft_quant)  # the loader may have quantized the base
     else:
         model = build_model(sc, fmt, ctx.device, ctx.seed)
     model.config.use_cache = False
@@ -127,7 +145,7 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     opt = adamw(model, ctx.lr)
     options = {"device": ctx.device, "blocks": decoder_layers(model)}
     if ctx.budget_bytes is not None:
-        options["vram_budget"] = ctx.budget_bytes
+        options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
     model, opt = wrap(model, opt, **options)
     ids = ctx.batch()  # [B, T]
     return train_step(model, opt, ids)

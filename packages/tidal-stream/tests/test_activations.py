@@ -582,3 +582,25 @@ def test_copy_back_dropped_unread_orders_buffer_reuse_after_the_copy():
     q.ready, q.restored_on = ready, stream
     del q
     assert waits == []
+
+
+@pytest.mark.parametrize("device", devices())
+def test_offload_switched_to_keep_between_steps_stays_exact(device):
+    """What wrap()'s measured refinement does after the first step: offloaded blocks start keeping."""
+    import contextlib
+
+    ref, model = make(torch.float32, device)
+    h = install_activation_policy(model.layers, ["offload"] * 4, device=device, min_offload_bytes=0)
+    seen = []
+
+    @contextlib.contextmanager
+    def after_first_step():
+        yield
+        seen.append(h.stats()["offloaded_tensors"])
+        for i in (2, 3):
+            h.set_policy(i, "keep")
+
+    compare_steps(ref, model, device, torch.float32, on_step=after_first_step, steps=3)
+    per_block = seen[0] // 4
+    assert per_block > 0 and seen[1] - seen[0] == 2 * per_block  # blocks 2 and 3 no longer copy
+    assert h.stats()["policies"] == ["offload", "offload", "keep", "keep"]

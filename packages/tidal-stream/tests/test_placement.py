@@ -15,6 +15,7 @@ from tidal_stream import session_of, unwrap, wrap
 from tidal_stream.placement import (
     device_share,
     device_state_bytes,
+    keep_offloaded_activations,
     promote_to_device,
     refine_after_first_step,
     widen_workspace,
@@ -398,3 +399,68 @@ def test_no_block_stack_with_wrong_blocks_still_raises():
     opts = WrapOptions.from_kwargs({"blocks": "head"})
     with pytest.raises((PlanConfigError, ValueError)):
         decide_placement(_Session([]), model, opts, list(model.parameters()))
+
+
+class _Acts:
+    """An activation-policy handle after one step: every block offloaded, its measured bytes."""
+
+    def __init__(self, block_bytes: list[int]) -> None:
+        self.policies = ["offload"] * len(block_bytes)
+        self.block_bytes = block_bytes
+
+    def stats(self) -> dict:
+        return {"policies": list(self.policies), "block_offloaded_bytes": list(self.block_bytes)}
+
+    def set_policy(self, i: int, policy: str) -> None:
+        self.policies[i] = policy
+
+
+def _lora14b_at_24gib(monkeypatch, acts: _Acts):
+    """lora14b NF4 on the GPU machine: the plan (sized for 4,096 tokens) offloaded all 48 blocks' activations,
+    the real batch is 512 tokens (160 MiB per block); every optimizer state is on the device already and the
+    first step peaked at 13.4 GiB reserved of a 23.7 GiB budget."""
+    foreign = int(115.29 * GiB)
+    total = foreign + 24 * GiB
+    peak = int(13.4 * GiB)
+    cuda = {
+        "synchronize": lambda *a: None,
+        "max_memory_allocated": lambda *a: foreign + int(12.2 * GiB),
+        "memory_allocated": lambda *a: foreign + 11 * GiB,
+        "max_memory_reserved": lambda *a: foreign + peak,
+        "memory_reserved": lambda *a: foreign + peak,
+        "mem_get_info": lambda *a: (total - foreign - peak, total),
+    }
+    for name, fn in cuda.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    opt = _Opt([], set(), [nn.Parameter(torch.empty(16, device="meta"))])
+    return _Session([types.SimpleNamespace(activations=acts)]), opt, foreign
+
+
+def test_refinement_keeps_offloaded_activations_that_fit_last_blocks_first(monkeypatch):
+    """Room left after the first step (23.7 - 2.37 headroom - 13.4 GiB: 7.93 GiB) holds 40 blocks of 200 MiB:
+    the last 40 keep their activations, the first 8 still offload; the log names them."""
+    acts = _Acts([200 * MiB] * 48)
+    session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+    budget = int(23.7 * GiB)
+    refine_after_first_step(session, opt, foreign, budget)
+    _, msg, data = session.events[-1]
+    room = budget - int(0.1 * budget) - int(13.4 * GiB)
+    fits = room // (200 * MiB)
+    assert fits == 40
+    assert data["activations_kept"] == list(range(48 - fits, 48))
+    assert data["activations_kept_bytes"] == fits * 200 * MiB <= room
+    assert acts.policies == ["offload"] * (48 - fits) + ["keep"] * fits
+    assert f"blocks {48 - fits}-47 KEEP their activations on the device" in msg
+
+
+def test_refinement_leaves_activations_of_a_given_plan_and_without_room(monkeypatch):
+    acts = _Acts([160 * MiB] * 48)
+    session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+    refine_after_first_step(session, opt, foreign, int(23.7 * GiB), keep_streamed=True)
+    assert acts.policies == ["offload"] * 48 and session.events[-1][2]["activations_kept"] == []
+    assert "KEEP" not in session.events[-1][1]
+    assert keep_offloaded_activations(session, 0) == ([], 0)
+    # recompute and keep blocks, and blocks that measured nothing, are left as they are
+    acts.policies[47], acts.policies[46], acts.block_bytes[45] = "recompute", "keep", 0
+    assert keep_offloaded_activations(session, 10 * GiB) == (list(range(45)), 45 * 160 * MiB)
+    assert acts.policies[45:] == ["offload", "keep", "recompute"]

@@ -4,7 +4,9 @@
 the host; ``offload="auto"``: ``tidal_plan.plan`` decides per block (``Plan.optimizer``: "gpu", "host" or
 "split" with ``gpu_blocks`` / ``outside_on_gpu``). After the first update on CUDA the measured peak tells
 how much room is left, and host-placed parameters move to the device in forward order while it lasts
-(:func:`refine_after_first_step`) — the "switch to fused GPU AdamW after measuring" of the design.
+(:func:`refine_after_first_step`) — the "switch to fused GPU AdamW after measuring" of the design. Room
+left after that lets offloaded blocks keep their activations on the device, by their measured bytes
+(:func:`keep_offloaded_activations`): the plan sized them for its ``batch_tokens``, not the real batch.
 
 [Note: given plans] a plan passed as ``plan=`` was shown to (or written by) the user: its streamed blocks
 keep streaming. The measured refinement then moves only the optimizer of parameters that do not stream;
@@ -35,6 +37,8 @@ __all__ = [
     "decide_placement",
     "device_share",
     "device_state_bytes",
+    "keep_offloaded_activations",
+    "offloads_activations",
     "promote_to_device",
     "refine_after_first_step",
     "widen_workspace",
@@ -172,7 +176,9 @@ def decide_placement(
         device_params=n_gpu,
     )
     given = opts.plan is not None
-    refine = session.device.type == "cuda" and n_gpu < n_all
+    refine = (
+        session.device.type == "cuda"
+    )  # wrap() refines when some state is on the host or activations offload
     if given and p.streamed_blocks:
         session.record(
             "placement",
@@ -345,7 +351,8 @@ def foreign_device_bytes(opt: Any, model: nn.Module, device: torch.device) -> in
 def refine_after_first_step(
     session: Any, opt: Any, foreign: int, budget: int | None, keep_streamed: bool = False
 ) -> None:
-    """After the first update: measure the step's peak and move to the device the host share that fits.
+    """After the first update: measure the step's peak and move to the device the host share that fits,
+    then keep on the device the offloaded activations that fit in what is left.
 
     [Note: measured room] the device really holds what the caching allocator RESERVED, not what is
     allocated: at the peak of a step the difference (fragmentation, cached blocks of other sizes) is
@@ -386,6 +393,8 @@ def refine_after_first_step(
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
     chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
+    # a given plan's activation choices stand, as its streamed blocks do
+    kept, kept_bytes = ([], 0) if keep_streamed else keep_offloaded_activations(session, room - total)
     host_left = sum(s.param.numel() for s in opt.host_slots())
     streamed_left = [] if _streaming_of(session) is None else _streaming_of(session).weights.streamed
     headroom = _headroom(budget) if budget is not None else _headroom(usable)
@@ -407,7 +416,13 @@ def refine_after_first_step(
             else ""
         )
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
-        + ("" if host_left else " (plain fused AdamW on the device from now on)"),
+        + ("" if host_left else " (plain fused AdamW on the device from now on)")
+        + (
+            f"; blocks {_ranges(kept)} KEEP their activations on the device ({kept_bytes / 2**30:.2f} GiB "
+            "measured; they were offloaded)"
+            if kept
+            else ""
+        ),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -416,7 +431,53 @@ def refine_after_first_step(
         unstreamed=unstreamed,
         streamed=streamed_left,
         host_params=host_left,
+        activations_kept=kept,
+        activations_kept_bytes=kept_bytes,
     )
+
+
+def _activations_of(session: Any) -> Any:
+    """The session's activation-policy handle (None when no block offloads or recomputes)."""
+    for ext in session.extensions:
+        acts = getattr(ext, "activations", None)
+        if acts is not None and hasattr(acts, "set_policy"):
+            return acts
+    return None
+
+
+def offloads_activations(session: Any) -> bool:
+    """Some block of the session copies its activations to the host."""
+    acts = _activations_of(session)
+    return acts is not None and "offload" in acts.stats()["policies"]
+
+
+def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]:
+    """Switch offloaded blocks to keeping their activations on the device while their measured bytes fit.
+
+    The plan sizes activations for ``batch_tokens`` (its default when wrap() was not told the batch): a
+    smaller real batch leaves room that copying every block's activations to the host and back wastes
+    (two PCIe crossings and host bookkeeping per saved tensor). The first step measured each offloaded
+    block's bytes; kept ones all live at the end of forward, so their sum must fit in ``room``. The last
+    blocks go first: backward needs them back first, the least time to prefetch.
+
+    Returns:
+        The blocks switched, and their measured bytes.
+    """
+    acts = _activations_of(session)
+    if acts is None or room <= 0:
+        return [], 0
+    stats = acts.stats()
+    measured = stats["block_offloaded_bytes"]
+    kept: list[int] = []
+    total = 0
+    for i in reversed(range(len(stats["policies"]))):
+        nbytes = measured[i]
+        if stats["policies"][i] != "offload" or not nbytes or total + nbytes > room:
+            continue
+        acts.set_policy(i, "keep")
+        kept.append(i)
+        total += nbytes
+    return sorted(kept), total
 
 
 def _headroom(nbytes: int) -> int:

@@ -20,7 +20,12 @@ from tidal_stream.errors import NotWrappedError, option_error
 from tidal_stream.oom import install_forward_note
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions
-from tidal_stream.placement import decide_placement, foreign_device_bytes, refine_after_first_step
+from tidal_stream.placement import (
+    decide_placement,
+    foreign_device_bytes,
+    offloads_activations,
+    refine_after_first_step,
+)
 from tidal_stream.session import Session
 from tidal_stream.sharded_optimizer import ShardedHostAdamW
 from tidal_stream.streamed_blocks import StreamingError
@@ -277,7 +282,7 @@ def wrap(
         opt.close()
         session.close()
         raise
-    if place.refine and opt.host_slots():
+    if place.refine and (opt.host_slots() or offloads_activations(session)):
         torch.cuda.synchronize(device)
         foreign = foreign_device_bytes(opt, model, device)
         # the refinement reads the first step's peak of RESERVED bytes: cached blocks freed by streaming

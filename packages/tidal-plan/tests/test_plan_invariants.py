@@ -111,7 +111,10 @@ def check_plan(p: Plan, c: ModelCensus) -> None:
     gpu_params = sum(c.blocks[i].trainable_params for i in p.optimizer.gpu_blocks)
     gpu_params += c.outside_trainable_params if p.optimizer.outside_on_gpu else 0
     assert v["optimizer state"] == p.optimizer.gpu_state_bytes == gpu_params * spp
-    assert p.optimizer.gpu_state_bytes + p.optimizer.host_state_bytes == c.trainable_params * spp
+    # the host optimizer always keeps an fp32 master (for fp32 weights too: the device holds the weight)
+    host_spp = spp + (4 if c.param_dtype_bytes >= 4 and not p.optimizer.master_weights else 0)
+    host_params = c.trainable_params - gpu_params
+    assert p.optimizer.host_state_bytes == host_params * host_spp
     streamed = [b for b in p.blocks if b.weights == "streamed"]
     assert (v["stream window"] > 0) == bool(streamed)
     if streamed and p.max_inflight_bytes:

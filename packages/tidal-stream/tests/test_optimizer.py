@@ -687,3 +687,94 @@ def test_blocked_offload_matches_torch_adamw(clip, monkeypatch):
     got, _ = run_wrapped("cpu", rollback=True, **case)
     d = max_param_diff(ref, got)
     assert d < 1e-6, f"max |Δp| = {d}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_buffers_a_device_copy_touches_are_pinned(dtype, monkeypatch):
+    """Page-locked host memory is for copies to and from the device: the landing gradient and the outgoing
+    weight (for fp32 weights the master itself, and the fp32 gradient the copy lands in). Moments, undo
+    copies, and a master or fp32 gradient only the CPU touches stay pageable."""
+    from tidal_stream import OffloadAdamW
+    from tidal_stream.hostmem import HostMemory
+
+    seen = []
+    real = HostMemory.reserve
+
+    def spy(self, requests):
+        seen.extend(requests)
+        return real(self, requests)
+
+    monkeypatch.setattr(HostMemory, "reserve", spy)
+    model = make_model().to(dtype)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, rollback=True)
+    pinned = {(r.tag, r.pinned) for r in seen}
+    fp32 = dtype == torch.float32
+    expected = {("master", fp32), ("exp_avg", False), ("exp_avg_sq", False)}
+    expected |= {("undo_master", False), ("undo_exp_avg", False), ("undo_exp_avg_sq", False)}
+    # 16-bit weights are lean: the landing buffer is the staging buffer too, and no fp32 gradient is kept
+    expected |= {("grad", True)} if fp32 else {("grad_landing", True)}
+    assert pinned == expected
+    host = opt.session.host.stats()
+    # on the CPU nothing is page-locked: every byte is counted pageable, none lost
+    assert host["pinned_bytes"] == 0 and host["pageable_bytes"] >= host["host_bytes"]
+    opt.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_lean_host_buffers_are_bit_identical_and_smaller(clip, moment_dtype, monkeypatch):
+    """bf16 weights: no fp32 gradient and no staging buffer (the update widens from the landing buffer
+    and narrows back into it) gives the bits of the buffered path, and 6 B per parameter less host memory;
+    growing accumulation_steps later reserves the fp32 sum and still matches."""
+    from tidal_stream import OffloadAdamW
+
+    def run(lean: bool, steps: int = 4, accumulate_from: int | None = None):
+        monkeypatch.setattr(OffloadAdamW, "_lean", lambda self, p: lean and p.dtype != torch.float32)
+        model = make_model().to(torch.bfloat16)
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, max_grad_norm=clip, moment_dtype=moment_dtype)
+        opt.install_read_guards(model)
+        host = opt.session.host.stats()["host_bytes"]
+        for step in range(steps):
+            if accumulate_from is not None and step == accumulate_from:
+                opt.accumulation_steps = 2
+            loss_fn(model, step).backward()
+            opt.step()
+            if (step + 1) % opt.accumulation_steps == 0:  # an update happened
+                opt.zero_grad()
+        opt.synchronize()
+        state = [
+            t.clone() for st in opt.state.values() for t in (st["master"], st["exp_avg"], st["exp_avg_sq"])
+        ]
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return host, state, weights
+
+    host_l, state_l, w_l = run(True)
+    host_b, state_b, w_b = run(False)
+    n = sum(t.numel() for t in state_l[::3])  # the host-updated parameters (their masters)
+    assert host_b - host_l == 6 * n  # the fp32 gradient (4 B) and the staging copy (2 B)
+    for a, b in zip(state_l + w_l, state_b + w_b):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    _, state_l, w_l = run(True, steps=6, accumulate_from=2)
+    _, state_b, w_b = run(False, steps=6, accumulate_from=2)
+    for a, b in zip(state_l + w_l, state_b + w_b):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_plan_counts_the_host_bytes_the_optimizer_reserves(dtype, moment_dtype):
+    """tidal-plan's per-parameter host bytes (pinned, pageable) are exactly what OffloadAdamW reserves."""
+    import types
+
+    from tidal_plan.cost import host_slot_bytes
+    from tidal_stream import OffloadAdamW
+
+    model = make_model().to(dtype)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, moment_dtype=moment_dtype)
+    host = opt.session.host.stats()
+    n = sum(st["master"].numel() for st in opt.state.values())
+    ctx = types.SimpleNamespace(census=types.SimpleNamespace(param_dtype_bytes=dtype.itemsize), master=True)
+    pinned, pageable = host_slot_bytes(ctx, moment_dtype)
+    assert host["host_bytes"] == (pinned + pageable) * n
+    opt.close()

@@ -132,6 +132,8 @@ class Evaluation:
     window: int
     prediction: StepPrediction
     objective: float
+    pinned_overflow: int = 0
+    """Bytes meant to be page-locked that the page-lock limit leaves pageable (counted in ``pageable``)."""
 
     @property
     def vram_total(self) -> int:
@@ -147,6 +149,18 @@ class Evaluation:
 def state_bytes_per_param(ctx: Context, moment: str) -> int:
     """Optimizer state per trainable element: two moments plus the fp32 master copy if kept."""
     return (8 if moment == "fp32" else 4) + (4 if ctx.master else 0)
+
+
+def host_slot_bytes(ctx: Context, moment: str) -> tuple[int, int]:
+    """``(pinned, pageable)`` host bytes per element of a parameter updated on the host, as the host
+    optimizer reserves them without gradient accumulation or delayed updates: pinned what a device copy
+    reads or writes (for 16-bit weights one landing buffer, which the new weight goes back from too; for
+    fp32 weights the master, which is the outgoing weight, and the fp32 gradient the copy lands in),
+    pageable what only the CPU touches (the moments, and for 16-bit weights the fp32 master)."""
+    p, m = ctx.census.param_dtype_bytes, (4 if moment == "fp32" else 2)
+    if p >= 4:
+        return 4 + 4, 2 * m
+    return p, (4 if ctx.master else 0) + 2 * m
 
 
 def adamw_bytes(ctx: Context, moment: str) -> int:
@@ -515,9 +529,6 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     )
     out_train = c.outside_trainable_params
     gpu_state = sum(b.trainable_params for b in gpu_opt) * spp + (out_train * spp if s.outside_opt_gpu else 0)
-    host_state = sum(b.trainable_params for b in host_opt) * spp + (
-        0 if s.outside_opt_gpu else out_train * spp
-    )
     vram = {
         "outside weights": outside_weight_bytes(ctx, s.fmt),
         "resident weights": sum(wb[i] for i, r in enumerate(s.resident) if r),
@@ -536,20 +547,24 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     }
     # The update runs after backward freed the activations and the loss: only its excess counts.
     vram["update workspace"] = max(0, device_update_workspace(ctx, s) - vram["activations"] - vram["loss"])
-    # Host: streamed weights and gradient landing buffers and offloaded activations are pinned; the
-    # optimizer's moments and master weights are read only by the CPU, so they stay pageable.
-    host_grads = sum(b.trainable_bytes for b in host_opt) + (
-        0 if s.outside_opt_gpu else c.outside_trainable_bytes
-    )
+    # Host: streamed weights, offloaded activations and the optimizer's buffers that device copies read or
+    # write are pinned; what only the CPU touches stays pageable (host_slot_bytes).
+    host_params = sum(b.trainable_params for b in host_opt) + (0 if s.outside_opt_gpu else out_train)
+    slot_pinned, slot_pageable = host_slot_bytes(ctx, s.moment)
+    w, m = c.param_dtype_bytes, (4 if s.moment == "fp32" else 2)
+    master = 4 if (w >= 4 or ctx.master) else 0
     offload_bytes = sum(b.offload_bytes(n_tok, seq) for b in offloaded)
+    host_grads = host_params * w  # gradients copied to the host each step
     host = {
-        "AdamW state": host_state,
+        "AdamW state": host_params * (master + 2 * m),
         "streamed weights": sum(sb.values()),
-        "gradient buffers": host_grads,
+        # fp32: the gradient; 16-bit: the landing buffer, which also carries the new weight back
+        "gradient buffers": host_params * (4 if w >= 4 else w),
         "offloaded activations": offload_bytes,
     }
-    pinned = sum(sb.values()) + host_grads + offload_bytes
-    pageable = host_state
+    host_state = host["AdamW state"]
+    pinned = sum(sb.values()) + offload_bytes + host_params * slot_pinned
+    pageable = host_params * slot_pageable
     overflow = max(0, pinned - prof.pagelock_limit_bytes)
     pinned -= overflow
     pageable += overflow
@@ -596,4 +611,4 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
         parts=gpu.parts,
     )
     objective = step_s + HIDDEN_COST_WEIGHT * (transfer_s + recompute_s) + HIDDEN_ADAMW_WEIGHT * host_adamw_s
-    return Evaluation(vram, host, pinned, pageable, gpu_state, host_state, window, pred, objective)
+    return Evaluation(vram, host, pinned, pageable, gpu_state, host_state, window, pred, objective, overflow)

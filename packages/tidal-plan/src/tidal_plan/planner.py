@@ -430,10 +430,10 @@ def _build(
         host_state_bytes=ev.host_state,
         master_weights=ctx.master,
     )
-    if ev.pageable > ev.host_state:
+    if ev.pinned_overflow:
         notes.append(
             f"page-lock limit {format_bytes(ctx.profile.pagelock_limit_bytes)}: "
-            f"{format_bytes(ev.pageable - ev.host_state)} of streamed data stays pageable (slower copies); "
+            f"{format_bytes(ev.pinned_overflow)} of streamed data stays pageable (slower copies); "
             "raise `ulimit -l`"
         )
     inflight = config.bytes_or_none("max_inflight_bytes")

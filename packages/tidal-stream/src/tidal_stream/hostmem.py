@@ -41,6 +41,9 @@ class HostRequest:
     """Element type."""
     numel: int
     """Number of elements (views are 1-D; callers reshape)."""
+    pinned: bool = True
+    """Copied to or from the device: page-locked on CUDA. False: read and written by the CPU alone (an
+    optimizer's moments), so it stays pageable — no page-lock limit, no page-locking time at setup."""
 
 
 class HostMemory:
@@ -54,61 +57,70 @@ class HostMemory:
     def __init__(self, device: torch.device, record: Callable[..., None]) -> None:
         self.device = device
         self._record = record
-        self._arena: PinnedArena | None = None
-        self._blocks: list[object] = []
+        self._arenas: dict[bool, PinnedArena] = {}  # pinned? -> its arena
+        self._blocks: list[tuple[PinnedArena, object]] = []
         self.bytes_by_tag: dict[str, int] = {}
         self.pinned_bytes = 0
+        self.pageable_bytes = 0
 
-    def _get_arena(self) -> PinnedArena:
-        if self._arena is None:
-            cuda = self.device.type == "cuda"
-            self._arena = PinnedArena(
+    def _get_arena(self, pinned: bool) -> PinnedArena:
+        if pinned not in self._arenas:
+            cuda = self.device.type == "cuda" and pinned
+            arena = PinnedArena(
                 ArenaConfig(
                     backend="auto" if cuda else "pageable", device=self.device.index if cuda else None
                 )
             )
-            if cuda and self._arena.degraded_reason:
-                self._record("host-memory", f"host buffers are pageable: {self._arena.degraded_reason}")
-        return self._arena
+            if cuda and arena.degraded_reason:
+                self._record("host-memory", f"host buffers are pageable: {arena.degraded_reason}")
+            self._arenas[pinned] = arena
+        return self._arenas[pinned]
 
     def reserve(self, requests: Sequence[HostRequest]) -> list[torch.Tensor]:
         """Allocate every request at once; returns one 1-D tensor per request (in order).
 
+        Requests marked ``pinned`` share one page-locked slab (on CUDA), the others one pageable slab.
         Contents are uninitialised.
         """
-        if not requests:
-            return []
-        arena = self._get_arena()
-        align = arena.config.alignment
-        sizes = [max(1, r.numel * r.dtype.itemsize) for r in requests]
-        total = sum((n + align - 1) // align * align for n in sizes)
-        arena.reserve(total)  # one slab for the whole list, page-locked once
-        out = []
-        for r, n in zip(requests, sizes):
-            block = arena.alloc(n, tag=r.tag)
-            self._blocks.append(block)
-            out.append(block.tensor(r.dtype, (r.numel,)))
-            self.bytes_by_tag[r.tag] = self.bytes_by_tag.get(r.tag, 0) + r.numel * r.dtype.itemsize
-        if self.device.type == "cuda" and not arena.degraded_reason:
-            self.pinned_bytes += total
-        return out
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        for pinned in (True, False):
+            idx = [i for i, r in enumerate(requests) if r.pinned == pinned]
+            if not idx:
+                continue
+            arena = self._get_arena(pinned)
+            align = arena.config.alignment
+            sizes = {i: max(1, requests[i].numel * requests[i].dtype.itemsize) for i in idx}
+            total = sum((n + align - 1) // align * align for n in sizes.values())
+            arena.reserve(total)  # one slab for the whole list, page-locked once when pinned
+            for i in idx:
+                r = requests[i]
+                block = arena.alloc(sizes[i], tag=r.tag)
+                self._blocks.append((arena, block))
+                out[i] = block.tensor(r.dtype, (r.numel,))
+                self.bytes_by_tag[r.tag] = self.bytes_by_tag.get(r.tag, 0) + r.numel * r.dtype.itemsize
+            if pinned and self.device.type == "cuda" and not arena.degraded_reason:
+                self.pinned_bytes += total
+            else:
+                self.pageable_bytes += total
+        return out  # type: ignore[return-value]  # every slot filled above
 
     def stats(self) -> dict[str, object]:
-        """Bytes per tag, total host bytes and pinned bytes."""
+        """Bytes per tag, total host bytes, pinned and pageable bytes."""
         return {
             "bytes_by_tag": dict(self.bytes_by_tag),
             "host_bytes": sum(self.bytes_by_tag.values()),
             "pinned_bytes": self.pinned_bytes,
+            "pageable_bytes": self.pageable_bytes,
         }
 
     def close(self) -> None:
         """Release every buffer (callers must have dropped the users of its views)."""
-        if self._arena is not None:
-            for b in self._blocks:
-                self._arena.free(b)
-            self._blocks.clear()
-            self._arena.close()
-            self._arena = None
+        for arena, b in self._blocks:
+            arena.free(b)
+        self._blocks.clear()
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
 
 
 def _round_up(n: int, a: int) -> int:

@@ -125,7 +125,7 @@ class WrapOptions:
     """Host update of step t overlaps forward/backward of step t+1 (weights one step stale); default False."""
     rollback: bool = False
     """Undo a failed step exactly (parameters, masters, moments as before it); costs one more master and
-    pair of moments of pinned host memory per host-updated parameter, a copy of each before its update
+    pair of moments of (pageable) host memory per host-updated parameter, a copy of each before its update
     (host AdamW time about doubles) and a transient copy of the device-placed state in ``step()``. False
     (default): a failed step raises its own exception and never hangs, and the parameters it had already
     updated keep their update (see docs/reliability.md)."""

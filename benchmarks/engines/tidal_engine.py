@@ -7,6 +7,7 @@
   LoRA adapters (PEFT) sit on top of the quantized layers.
 - ``fmt="auto"``: ``tidal_hf.load_model(config_dir, quantize="auto", random_weights=True)`` decides
   exact vs quantized by the budget, then the same ``wrap``.
+Every variant passes ``moment_dtype="auto"``: fp32 moments when the plan fits them in host RAM, else bf16.
 Any missing name shows as an ``error`` row with the import message (the table never loses the row).
 """
 
@@ -145,7 +146,8 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     model.config.use_cache = False
     model.train()
     opt = adamw(model, ctx.lr)
-    options = {"device": ctx.device, "blocks": decoder_layers(model)}
+    # moments follow the plan: fp32 when they fit host RAM, else bf16 (full8b on a 128 GB host)
+    options = {"device": ctx.device, "blocks": decoder_layers(model), "moment_dtype": "auto"}
     if ctx.budget_bytes is not None:
         options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
     model, opt = wrap(model, opt, **options)

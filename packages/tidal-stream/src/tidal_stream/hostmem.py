@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from tidal_arena import ArenaConfig, PinnedArena
+from tidal_arena import ArenaConfig, PageLockLimitError, PinnedArena
+from tidal_arena.stats import fmt_bytes as format_bytes
 
 __all__ = ["ActivationHostPool", "EventSet", "HostMemory", "HostRequest", "HostSlab"]
 
@@ -83,14 +84,18 @@ class HostMemory:
         Contents are uninitialised.
         """
         out: list[torch.Tensor | None] = [None] * len(requests)
+        parts = []  # (pinned, arena, request indices, their sizes, the slab's bytes)
         for pinned in (True, False):
             idx = [i for i, r in enumerate(requests) if r.pinned == pinned]
-            if not idx:
-                continue
-            arena = self._get_arena(pinned)
-            align = arena.config.alignment
-            sizes = {i: max(1, requests[i].numel * requests[i].dtype.itemsize) for i in idx}
-            total = sum((n + align - 1) // align * align for n in sizes.values())
+            if idx:
+                arena = self._get_arena(pinned)
+                align = arena.config.alignment
+                sizes = {i: max(1, requests[i].numel * requests[i].dtype.itemsize) for i in idx}
+                parts.append(
+                    (pinned, arena, idx, sizes, sum((n + align - 1) // align * align for n in sizes.values()))
+                )
+        self._check_ram(sum(p[-1] for p in parts))
+        for pinned, arena, idx, sizes, total in parts:
             arena.reserve(total)  # one slab for the whole list, page-locked once when pinned
             for i in idx:
                 r = requests[i]
@@ -103,6 +108,19 @@ class HostMemory:
             else:
                 self.pageable_bytes += total
         return out  # type: ignore[return-value]  # every slot filled above
+
+    def _check_ram(self, nbytes: int) -> None:
+        """Refuse ``nbytes`` more when this session's host buffers, pinned and pageable together, would
+        pass the host-RAM cap (each arena checks only its own slabs, and the pinned one ``ulimit -l``)."""
+        held = self.pinned_bytes + self.pageable_bytes
+        cap, why = self._get_arena(False).cap()
+        if held + nbytes > cap:
+            raise PageLockLimitError(
+                f"host optimizer buffers: would reserve {format_bytes(held + nbytes)} in total, above the cap "
+                f"{format_bytes(cap)} set by {why}; already reserved {format_bytes(held)}. Fix: fewer parameters "
+                "updated on the host (a larger vram_budget, LoRA), moment_dtype='bf16', or raise "
+                "ArenaConfig.max_pinned_bytes if the machine has the RAM."
+            )
 
     def stats(self) -> dict[str, object]:
         """Bytes per tag, total host bytes, pinned and pageable bytes."""

@@ -767,7 +767,7 @@ def test_plan_counts_the_host_bytes_the_optimizer_reserves(dtype, moment_dtype):
     """tidal-plan's per-parameter host bytes (pinned, pageable) are exactly what OffloadAdamW reserves."""
     import types
 
-    from tidal_plan.cost import host_slot_bytes
+    from tidal_plan.param_bytes import host_slot_bytes
     from tidal_stream import OffloadAdamW
 
     model = make_model().to(dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tidal_plan.census import BlockCensus, ModelCensus
 from tidal_plan.hardware import HardwareProfile
+from tidal_plan.param_bytes import adamw_bytes, host_slot_bytes, state_bytes_per_param
 from tidal_plan.plan_types import StepPrediction
 
 # Pageable (unpinned) host memory copies at about this share of the pinned rate (15.7 vs 55.4 GB/s on
@@ -144,34 +145,6 @@ class Evaluation:
     def host_total(self) -> int:
         """All planned host RAM."""
         return self.pinned + self.pageable
-
-
-def state_bytes_per_param(ctx: Context, moment: str) -> int:
-    """Optimizer state per trainable element: two moments plus the fp32 master copy if kept."""
-    return (8 if moment == "fp32" else 4) + (4 if ctx.master else 0)
-
-
-def host_slot_bytes(ctx: Context, moment: str) -> tuple[int, int]:
-    """``(pinned, pageable)`` host bytes per element of a parameter updated on the host, as the host
-    optimizer reserves them without gradient accumulation or delayed updates: pinned what a device copy
-    reads or writes (for 16-bit weights one landing buffer, which the new weight goes back from too; for
-    fp32 weights the master, which is the outgoing weight, and the fp32 gradient the copy lands in),
-    pageable what only the CPU touches (the moments, and for 16-bit weights the fp32 master)."""
-    p, m = ctx.census.param_dtype_bytes, (4 if moment == "fp32" else 2)
-    if p >= 4:
-        return 4 + 4, 2 * m
-    return p, (4 if ctx.master else 0) + 2 * m
-
-
-def adamw_bytes(ctx: Context, moment: str) -> int:
-    """HBM (or host memory) bytes one AdamW update moves per parameter.
-
-    With fp32 masters of 16-bit weights: widen the gradient (p read, 4 written), the fused update on fp32
-    master, gradient and moments (12 + 4m), narrow the new weight (4 read, p written). Without: the fused
-    update on the weight itself (3p + 4m). ``p`` is the weight's element size, ``m`` the moments'.
-    """
-    p, m = ctx.census.param_dtype_bytes, (4 if moment == "fp32" else 2)
-    return 2 * p + 20 + 4 * m if ctx.master else 3 * p + 4 * m
 
 
 def storage_bytes(ctx: Context, fmt: str, total: int, q_params: int, q_bytes: int) -> int:

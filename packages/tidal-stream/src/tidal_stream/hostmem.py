@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from tidal_arena import ArenaConfig, PageLockLimitError, PinnedArena
-from tidal_arena.stats import fmt_bytes as format_bytes
 
 __all__ = ["ActivationHostPool", "EventSet", "HostMemory", "HostRequest", "HostSlab"]
 
@@ -115,6 +114,8 @@ class HostMemory:
         held = self.pinned_bytes + self.pageable_bytes
         cap, why = self._get_arena(False).cap()
         if held + nbytes > cap:
+            from tidal_plan import format_bytes
+
             raise PageLockLimitError(
                 f"host optimizer buffers: would reserve {format_bytes(held + nbytes)} in total, above the cap "
                 f"{format_bytes(cap)} set by {why}; already reserved {format_bytes(held)}. Fix: fewer parameters "

@@ -49,15 +49,14 @@ from tidal_stream._adamw_common import (
     adamw_defaults,
     advance_micro,
     check_accumulation_steps,
-    check_contiguous,
     moment_dtype_of,
     run_closure,
 )
 from tidal_stream.adam_kernels import AdamHyper, UndoCopy, adam_update
 from tidal_stream.errors import StreamError
-from tidal_stream.hostmem import HostRequest
 from tidal_stream.oom import annotates_oom, note_step_done
 from tidal_stream.optimizer_device import DeviceUpdateMixin
+from tidal_stream.optimizer_host import HostBuffersMixin
 from tidal_stream.optimizer_reads import ReadGuardMixin
 from tidal_stream.optimizer_state import OffloadStateMixin
 from tidal_stream.streams import StreamEvent, record_event, stream_context
@@ -98,7 +97,9 @@ class _Slot:
         self.landing_free.set()
 
 
-class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.optim.Optimizer):
+class OffloadAdamW(
+    ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, HostBuffersMixin, torch.optim.Optimizer
+):
     """AdamW with fp32 masters, moments and gradients in host memory, updated during backward.
 
     Usually created by ``wrap()``. The loop is unchanged: ``loss.backward(); opt.step(); opt.zero_grad()``.
@@ -218,59 +219,6 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
         ]
 
     # ------------------------------------------------------------------ setup
-    def _allocate_host(self) -> None:
-        """Reserve every host buffer at once and fill masters from the current weights."""
-        reqs: list[HostRequest] = []
-        for s in self._slots.values():
-            p = s.param
-            check_contiguous("OffloadAdamW", p, "host offload needs")
-            n = p.numel()
-            fp32, landing, lean = p.dtype == torch.float32, self._needs_landing(p), self._lean(p)
-            # pinned: what a device copy reads or writes (the landing gradient, the outgoing weight, which
-            # for fp32 weights is the master itself, and the fp32 gradient when it is the copy's target);
-            # the moments, undo copies and a master or gradient only the CPU touches stay pageable
-            reqs += [
-                HostRequest("master", torch.float32, n, pinned=fp32),
-                HostRequest("exp_avg", self.moment_dtype, n, pinned=False),
-                HostRequest("exp_avg_sq", self.moment_dtype, n, pinned=False),
-            ]
-            if not lean:
-                reqs.append(HostRequest("grad", torch.float32, n, pinned=not landing))
-            if landing:
-                reqs.append(HostRequest("grad_landing", p.dtype, n))
-            if not fp32 and not lean:
-                reqs.append(HostRequest("weight_staging", p.dtype, n))
-            if self.rollback:
-                reqs += [
-                    HostRequest("undo_master", torch.float32, n, pinned=False),
-                    HostRequest("undo_exp_avg", self.moment_dtype, n, pinned=False),
-                    HostRequest("undo_exp_avg_sq", self.moment_dtype, n, pinned=False),
-                ]
-        bufs = iter(self.session.host.reserve(reqs))
-        for s in self._slots.values():
-            p = s.param
-            lean = self._lean(p)
-            s.master, s.exp_avg, s.exp_avg_sq = next(bufs), next(bufs), next(bufs)
-            s.grad = None if lean else next(bufs)
-            s.landing = next(bufs) if self._needs_landing(p) else None
-            if lean:
-                s.staging = (
-                    s.landing
-                )  # block by block, the update reads the gradient before it writes the weight
-            else:
-                s.staging = next(bufs) if p.dtype != torch.float32 else s.master
-            if self.rollback:
-                s.undo = UndoCopy(next(bufs), next(bufs), next(bufs))
-            s.master.copy_(p.detach().reshape(-1))  # device -> host once at setup
-            s.exp_avg.zero_()
-            s.exp_avg_sq.zero_()
-            self.state[p] = {
-                "step": s.step,
-                "exp_avg": s.exp_avg.view(p.shape),
-                "exp_avg_sq": s.exp_avg_sq.view(p.shape),
-                "master": s.master.view(p.shape),
-            }
-
     @property
     def accumulation_steps(self) -> int:
         """Micro-steps per update (each ``step()`` call is one). May be changed between steps."""
@@ -281,37 +229,7 @@ class OffloadAdamW(ReadGuardMixin, OffloadStateMixin, DeviceUpdateMixin, torch.o
         check_accumulation_steps("OffloadAdamW", n)
         self._accumulation_steps = n
         if n > 1 and getattr(self, "_slots", None):
-            missing = [s for s in self._slots.values() if s.landing is None]
-            if missing:
-                # accumulating needs a landing buffer beside the fp32 sum: reserve them once, now
-                bufs = self.session.host.reserve(
-                    [HostRequest("grad_landing", s.param.dtype, s.param.numel()) for s in missing]
-                )
-                for s, buf in zip(missing, bufs):
-                    s.landing = buf
-            sumless = [s for s in self._slots.values() if s.grad is None]
-            if sumless:
-                self._join()  # why: a queued lean update finds its gradient by s.grad being None
-                # lean slots had no fp32 sum to accumulate in (only the CPU touches it: pageable)
-                bufs = self.session.host.reserve(
-                    [HostRequest("grad", torch.float32, s.param.numel(), pinned=False) for s in sumless]
-                )
-                for s, buf in zip(sumless, bufs):
-                    s.grad = buf
-
-    def _needs_landing(self, p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32 or self.accumulation_steps > 1 or self.delayed_update
-
-    def _lean(self, p: torch.Tensor) -> bool:
-        """Keep no fp32 gradient and no separate staging buffer for ``p`` (6 B/param less for 16-bit weights).
-
-        The update widens the gradient from its landing buffer block by block and narrows the new weight
-        back into the same buffer, which the copy to the device then reads. That needs one gradient per
-        update (no accumulation: the fp32 sum is reserved if ``accumulation_steps`` grows later) and the
-        buffer free until the next backward (not with ``delayed_update``, whose next gradients land while
-        the weights still go back).
-        """
-        return p.dtype != torch.float32 and self.accumulation_steps == 1 and not self.delayed_update
+            self._reserve_accumulation_buffers()
 
     def allocate_device_state(self) -> None:
         """fp32 master (the parameter itself when fp32) and moments on the device for "gpu" slots.

@@ -720,9 +720,10 @@ def test_only_buffers_a_device_copy_touches_are_pinned(dtype, monkeypatch):
     opt.close()
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
-def test_lean_host_buffers_are_bit_identical_and_smaller(clip, moment_dtype, monkeypatch):
+def test_lean_host_buffers_are_bit_identical_and_smaller(clip, moment_dtype, device, monkeypatch):
     """bf16 weights: no fp32 gradient and no staging buffer (the update widens from the landing buffer
     and narrows back into it) gives the bits of the buffered path, and 6 B per parameter less host memory;
     growing accumulation_steps later reserves the fp32 sum and still matches."""
@@ -730,14 +731,14 @@ def test_lean_host_buffers_are_bit_identical_and_smaller(clip, moment_dtype, mon
 
     def run(lean: bool, steps: int = 4, accumulate_from: int | None = None):
         monkeypatch.setattr(OffloadAdamW, "_lean", lambda self, p: lean and p.dtype != torch.float32)
-        model = make_model().to(torch.bfloat16)
+        model = make_model(device=device, dtype=torch.bfloat16)
         opt = OffloadAdamW(model.parameters(), lr=1e-2, max_grad_norm=clip, moment_dtype=moment_dtype)
         opt.install_read_guards(model)
         host = opt.session.host.stats()["host_bytes"]
         for step in range(steps):
             if accumulate_from is not None and step == accumulate_from:
                 opt.accumulation_steps = 2
-            loss_fn(model, step).backward()
+            loss_fn(model, step, device).backward()
             opt.step()
             if (step + 1) % opt.accumulation_steps == 0:  # an update happened
                 opt.zero_grad()
@@ -745,7 +746,7 @@ def test_lean_host_buffers_are_bit_identical_and_smaller(clip, moment_dtype, mon
         state = [
             t.clone() for st in opt.state.values() for t in (st["master"], st["exp_avg"], st["exp_avg_sq"])
         ]
-        weights = [p.detach().clone() for p in model.parameters()]
+        weights = [p.detach().cpu() for p in model.parameters()]
         opt.close()
         return host, state, weights
 

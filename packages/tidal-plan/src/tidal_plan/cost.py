@@ -68,8 +68,9 @@ HOST_ADAMW_PROFILED_BYTES = 28
 # widened (2 + 4), fused AdamW on fp32 master, gradient and moments (28), new weight narrowed (4 + 2).
 HOST_UPDATE_PROFILED_BYTES = 40
 # The host update with bf16 moments against the fp32 path, per parameter: the GPU machine's host (16
-# threads, 468 M parameters, benchmarks/stream/host_adamw.py) took 10.6 s against 0.280 s. Its stochastic
-# rounding draws the noise with torch.randint on one thread, so it does not scale with the cores.
+# threads, 468 M parameters, benchmarks/stream/host_adamw.py) took 10.6 s against 0.280 s, when its
+# stochastic rounding drew all the noise from one generator on one thread. The noise is now drawn in
+# parallel pieces (1.6x faster on a 2-core host): to be measured there again, so this share is pessimistic.
 HOST_BF16_MOMENTS_RATE_SHARE = 0.280 / 10.6
 # fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
 # specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.

@@ -15,6 +15,7 @@ scale, update, narrow of the new weight) in one call, optionally in one pass of 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ _ALIGN = 64
 # on the GPU machine's host (280 ms over 468 M parameters, against 299 ms in blocks of 4 M elements).
 _LEAN_BLOCK = 1 << 26
 _tls = threading.local()  # per-thread fp32 gradient scratch of one block
+# elements of rounding noise one generator draws (see _rounding_noise); part of the noise's definition
+_NOISE_PIECE = 1 << 18
+_POOL: ThreadPoolExecutor | None = None
 
 
 @dataclass(frozen=True)
@@ -133,16 +137,49 @@ def _fused(
     )
 
 
+def _noise_pool() -> ThreadPoolExecutor:
+    """Threads that draw host rounding noise in parallel (torch's CPU random kernels run on one thread)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="tidal-noise"
+        )
+    return _POOL
+
+
+def _rounding_noise(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """[n] int32 uniform in [0, 2**16).
+
+    On the CPU above two pieces of ``_NOISE_PIECE`` elements, ``generator`` draws one seed per piece and
+    each piece is drawn by its own generator on a pool thread: the bits depend on ``generator`` and ``n``
+    alone (not on the thread count), and the draws scale with the cores — one generator draws ~90 M numbers
+    a second, which bounded the host update with bf16 moments on the GPU machine's host.
+    """
+    if device.type != "cpu" or n < 2 * _NOISE_PIECE:
+        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=generator)
+    pieces = -(-n // _NOISE_PIECE)
+    seeds = torch.randint(0, 1 << 62, (pieces,), dtype=torch.int64, generator=generator).tolist()
+    out = _scratch(n, "noise", torch.int32)  # [n]
+
+    def draw(j: int) -> None:
+        g = torch.Generator().manual_seed(seeds[j])
+        piece = out[j * _NOISE_PIECE : (j + 1) * _NOISE_PIECE]
+        torch.randint(0, 1 << 16, piece.shape, dtype=torch.int32, generator=g, out=piece)
+
+    list(_noise_pool().map(draw, range(pieces)))  # list(): wait for every piece, re-raise a failure
+    return out
+
+
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None) -> None:
     """Write fp32 ``src`` into bf16 ``dst`` with stochastic rounding (unbiased in expectation).
 
     Adds uniform noise below bf16's last mantissa bit to the fp32 bit pattern, then truncates.
     """
     bits = src.view(torch.int32)  # [N] fp32 bit patterns
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=src.device, generator=generator)
-    rounded = (bits + noise) & -65536  # clear the 16 low bits: exactly representable in bf16
+    rounded = _rounding_noise(bits.numel(), src.device, generator).view(bits.shape)
+    rounded.add_(bits).bitwise_and_(-65536)  # clear the 16 low bits: exactly representable in bf16
     # non-finite values (inf/nan) must not be perturbed into other bit patterns
-    rounded = torch.where(torch.isfinite(src), rounded, bits)
+    torch.where(torch.isfinite(src), rounded, bits, out=rounded)
     dst.copy_(rounded.view(torch.float32))
 
 
@@ -158,12 +195,13 @@ def default_block(t: torch.Tensor, undo: bool = False) -> int:
     return _BLOCK or (_UNDO_BLOCK if undo else 0)
 
 
-def _scratch(n: int) -> torch.Tensor:
-    """[n] fp32 scratch of the calling thread, reused across blocks and calls (stays in the CPU caches)."""
-    buf = getattr(_tls, "grad", None)
+def _scratch(n: int, name: str = "grad", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n] scratch of the calling thread, reused across blocks and calls (stays in the CPU caches, and
+    large ones are not handed back to the OS and page-faulted in again at every chunk)."""
+    buf = getattr(_tls, name, None)
     if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=torch.float32)
-        _tls.grad = buf
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_tls, name, buf)
     return buf[:n]
 
 
@@ -256,7 +294,8 @@ def adam_update(
         if not bf16:
             _fused([p], [g], [m], [v], [step], h)
         else:
-            mw, vw = m.float(), v.float()  # [b] widened moments
+            mw = _scratch(m.numel(), "exp_avg").copy_(m)  # [b] widened moments
+            vw = _scratch(v.numel(), "exp_avg_sq").copy_(v)
             _fused([p], [g], [mw], [vw], [step], h)
             stochastic_round_(m, mw, generator)
             stochastic_round_(v, vw, generator)

@@ -90,7 +90,10 @@ def test_wrap_has_no_host_ram_option():
 
 @pytest.mark.gpu
 def test_wrap_refuses_above_ulimit_l_on_cuda(tmp_path):
-    """A real page-lock limit (``ulimit -l`` of 1 MiB in a child process): wrap() on CUDA is refused with numbers."""
+    """A real page-lock limit (``ulimit -l`` of 1 MiB in a child process): wrap() on CUDA is refused with numbers.
+
+    Only buffers that device copies touch are page-locked (for fp32 weights: the master and the gradient,
+    8 B per parameter), so the model has 281 k parameters: 2.1 MiB pinned."""
     code = textwrap.dedent(
         f"""
         import resource, sys
@@ -100,7 +103,7 @@ def test_wrap_refuses_above_ulimit_l_on_cuda(tmp_path):
         from _common import make_model
         from tidal_arena import PageLockLimitError
         from tidal_stream import wrap
-        m = make_model(dim=64, layers=4, device="cuda")
+        m = make_model(dim=128, layers=4, device="cuda")
         try:
             wrap(m, torch.optim.AdamW(m.parameters()), offload=True)
         except PageLockLimitError as e:

@@ -7,6 +7,8 @@
 #   bash tools/gpu-bench.sh compare   # lora14b at 24 GiB, every engine side by side (needs .whl/, ~9 min)
 #   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
+#   bash tools/gpu-bench.sh dp14b     # two GPUs: lora14b at 24 GiB, worlds 1 and 2, with the shared host copy; a 200-step soak (~6 min)
+#   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
@@ -55,6 +57,13 @@ case "${1:-}" in
     step 150 dp.log -- env TIDAL_REQUIRE_GPU=1 python3 -m pytest -m gpu -p tidal_testing.plugin -q packages/tidal-stream/tests/test_distributed.py tests-integration/distributed
     step 200 dp.log -- python3 benchmarks/distributed/scaling.py --worlds 1,2 --json "$out/dp-scaling.json"
     ;;
+  dp14b)
+    step 390 dp14b.log -- python3 benchmarks/distributed/scaling.py --scenario lora14b --vram-gb 24 --worlds 1,2 --steps 5 --warmup 2 --json "$out/dp-lora14b-24g.json"
+    step 150 dp14b.log -- python3 benchmarks/distributed/scaling.py --worlds 2 --soak --steps 200 --warmup 20 --json "$out/dp-soak-w2.json"
+    ;;
+  dp8b)
+    step 330 dp8b.log -- python3 benchmarks/distributed/scaling.py --scenario full8b --vram-gb 80 --threads 16 --steps 3 --warmup 1 --worlds 1,2 --json "$out/dp-full8b.json"
+    ;;
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
     ;;
@@ -66,7 +75,7 @@ case "${1:-}" in
     step 540 micro.log -- python3 -m pytest -p tidal_testing.plugin benchmarks --benchmark-only -q --benchmark-json="$out/micro-h200.json"
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,15p' "$0"
     exit 2
     ;;
 esac

@@ -32,13 +32,41 @@ the measured rates is printed under the table.
 Host RAM per rank: ``Rss`` and ``Pss`` of the whole process from ``/proc/self/smaps_rollup`` after the
 timed steps (Pss splits shared pages — the shared host copy, CUDA's own mappings — between the ranks).
 
+Scenarios: ``--scenario NAME`` takes the mode, the model's shape, ``--seq``, ``--batch`` (per rank) and the
+default ``--vram-gb`` from ``benchmarks/engines/scenarios.py`` (``lora14b``: Qwen2.5-14B shape, LoRA r=16,
+1x512; ``full8b``: Llama-3-8B shape, full fine-tune, 4x2048; ...). Any of those flags given on the command
+line wins over the scenario. The model is then built as the comparison harness builds it
+(``engines.tidal_engine.build_model``: the exact transformers architecture, Llama included, filled block by
+block on the rank's GPU and kept in host RAM; LoRA through PEFT), and ``wrap`` gets ``device=`` and
+``blocks=``; without ``--scenario`` the model is the Qwen2 of the shape flags with the script's own LoRA
+linears (rank ``--lora-rank``; a scenario's LoRA is the harness's r=16), built on the GPU. Under data
+parallel a full fine-tune keeps its trained weights resident whatever the budget (see above), so
+``full8b`` at 24 GiB can use more VRAM than the budget: the ``peak GiB`` column shows what it did use.
+For example::
+
+    ... scaling.py --scenario lora14b --vram-gb 24 --worlds 1,2 --json dp-lora14b.json
+
+Budget and moments: ``--vram-gb X`` passes ``vram_budget`` (X GiB per GPU) to ``wrap`` and lets the plan
+choose what streams (``--param-offload`` defaults to ``auto`` then, and with ``--scenario``);
+``--moment-dtype`` passes ``moment_dtype`` (default: not passed, wrap's fp32).
+
+Soak: with ``--soak`` every rank samples, after every step past ``--warmup``, the process RSS
+(``/proc/self/statm``), tidal's pinned host bytes (``memory_report(model)["pinned_bytes"]``) and
+``torch.cuda.memory_allocated`` (0 on the CPU); a metric is flat when ``(max - min) / max`` over those
+samples is within ``--tolerance`` (the rule of ``benchmarks/soak.py``, imported from it). The rank JSON holds
+each metric's summary and samples, the table a ``soak`` column, and one line per rank follows it; the exit
+status is 1 when a metric is not flat (not with ``--smoke``). A 200-step soak at world 2::
+
+    ... scaling.py --worlds 2 --modes lora --soak --steps 200 --warmup 20 --json dp-soak.json
+
 Prints per mode and world: median step s, tokens/s per GPU, efficiency against world 1 (goal >= 0.85),
-host AdamW s of the rank's shard, Rss / Pss per rank in GiB.
+host AdamW s of the rank's shard, Rss / Pss per rank in GiB, device peak GiB (rank 0), the soak verdict.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -47,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +83,26 @@ from torch import nn
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared code
 
 from bench_common import QWEN2_ARGS, add_qwen2_args, random_qwen2
+from engines.scenarios import SCENARIOS, Scenario, get_scenario
+from soak import flatness, rss_bytes
 
 GiB = 2**30
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The shape flags without ``--scenario`` (the small default model).
+DEFAULT_SHAPE = dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000, seq=1024)
+#: The tiny shape of ``--smoke`` (it wins over a scenario's shape too).
+SMOKE_SHAPE = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256, seq=32)
+#: Shape flag -> transformers config field of ``Scenario.shape``.
+SHAPE_FIELDS = {
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab": "vocab_size",
+}
+#: What ``--soak`` samples every step after warm-up.
+SOAK_METRICS = ("rss_bytes", "pinned_bytes", "vram_allocated_bytes")
 
 
 class LoraLinear(nn.Module):
@@ -90,6 +136,25 @@ def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
     return model.train()
 
 
+def scenario_of(args: argparse.Namespace) -> Scenario:
+    """``args.scenario`` with the shape, batch and sequence length of ``args`` (flags and ``--smoke`` win)."""
+    sc = get_scenario(args.scenario)
+    shape = dict(sc.shape, **{field: getattr(args, flag) for flag, field in SHAPE_FIELDS.items()})
+    return dataclasses.replace(sc, shape=shape, batch=args.batch, seq=args.seq)
+
+
+def build_scenario_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, nn.ModuleList]:
+    """The scenario's model as the comparison harness builds it (exact architecture, PEFT LoRA, filled on
+    ``device`` block by block, left in host RAM on CUDA; seeded by tensor name: the same on every rank)
+    and its block stack."""
+    from engines.common import decoder_layers
+    from engines.tidal_engine import build_model as build_engine_model
+
+    model = build_engine_model(scenario_of(args), None, device, seed=0)
+    model.config.use_cache = False  # training: no KV cache
+    return model.train(), decoder_layers(model)
+
+
 def host_ram() -> dict[str, int]:
     """``Rss`` and ``Pss`` of this process, bytes (``/proc/self/smaps_rollup``)."""
     out = {"rss": 0, "pss": 0}
@@ -101,12 +166,57 @@ def host_ram() -> dict[str, int]:
     return out
 
 
+def soak_sample(model: nn.Module, device: torch.device) -> dict[str, int]:
+    """This rank's RSS, tidal's pinned host bytes and allocated device bytes (0 on the CPU), now."""
+    import tidal_stream
+
+    return {
+        "rss_bytes": rss_bytes(),
+        "pinned_bytes": int(tidal_stream.memory_report(model)["pinned_bytes"]),
+        "vram_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
+    }
+
+
+def soak_summary(samples: list[dict[str, int]], tolerance: float) -> dict[str, Any]:
+    """Per metric: ``soak.flatness`` (min, max, first, last, spread, flat) and the samples; ``flat``: all."""
+    metrics = {}
+    for k in SOAK_METRICS:
+        values = [s[k] for s in samples]
+        metrics[k] = {**flatness(values, tolerance), "samples": values}
+    return {
+        "samples": len(samples),
+        "tolerance": tolerance,
+        "metrics": metrics,
+        "flat": all(m["flat"] for m in metrics.values()),
+    }
+
+
+def wrap_options(args: argparse.Namespace, device: torch.device, blocks: Any) -> dict[str, Any]:
+    """The keyword arguments of ``tidal_stream.wrap`` for this rank."""
+    from tidal_stream.distributed import DistributedConfig
+
+    pool: dict = {}
+    if args.mode == "lora":
+        pool["peer_pooling"] = {"on": True, "off": False, "auto": "auto"}[args.peer_pooling]
+        if args.peer_pool_gib is not None:
+            pool["peer_pool_bytes"] = int(args.peer_pool_gib * GiB)
+    options: dict = {"distributed": DistributedConfig(timeout=float(args.timeout), **pool)}
+    if blocks is not None:  # a scenario's model is built in host RAM: wrap moves it to the rank's device
+        options["device"], options["blocks"] = device, blocks
+    if not args.smoke:
+        options["param_offload"] = args.param_offload if args.mode == "lora" else "auto"
+    if args.vram_gb is not None:
+        options["vram_budget"] = int(args.vram_gb * GiB)
+    if args.moment_dtype is not None:
+        options["moment_dtype"] = args.moment_dtype
+    return options
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank: wrap, warm up, time ``args.steps`` steps, write ``rank{R}.json`` into ``args.rank_dir``."""
     import torch.distributed as dist
 
     import tidal_stream
-    from tidal_stream.distributed import DistributedConfig
 
     torch.set_num_threads(args.threads)
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -118,21 +228,22 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)  # before the process group: NCCL binds each rank to its GPU
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args, device)
+    t_build = time.perf_counter()
+    if args.scenario:
+        model, blocks = build_scenario_model(args, device)
+    else:
+        model, blocks = build_model(args, device), None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the model inside
+    model_class = type(base).__name__
     trainable = [p for p in model.parameters() if p.requires_grad]
     lr = 2e-4 if args.mode == "lora" else 2e-5
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    pool: dict = {}
-    if args.mode == "lora":
-        pool["peer_pooling"] = {"on": True, "off": False, "auto": "auto"}[args.peer_pooling]
-        if args.peer_pool_gib is not None:
-            pool["peer_pool_bytes"] = int(args.peer_pool_gib * GiB)
-    options: dict = {"distributed": DistributedConfig(timeout=float(args.timeout), **pool)}
-    if not args.smoke:
-        options["param_offload"] = args.param_offload if args.mode == "lora" else "auto"
-    model, opt = tidal_stream.wrap(model, opt, **options)
+    build_s = time.perf_counter() - t_build
+    t_wrap = time.perf_counter()
+    model, opt = tidal_stream.wrap(model, opt, **wrap_options(args, device, blocks))
+    wrap_s = time.perf_counter() - t_wrap
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own rows of the global batch
-    times = []
+    times, losses, samples = [], [], []
     ws0: dict = {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -141,13 +252,17 @@ def rank_main(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # why: the step's time starts with an idle device
         t0 = time.perf_counter()
-        model(input_ids=idx, labels=idx).loss.backward()
+        loss = model(input_ids=idx, labels=idx).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # why: the step's kernels are done before the clock stops
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            if args.soak:
+                samples.append(soak_sample(model, device))
     rep = tidal_stream.memory_report(model)
     d = rep["distributed"]
     ws = rep.get("weight_streaming", {})
@@ -157,8 +272,18 @@ def rank_main(args: argparse.Namespace) -> None:
         "rank": rank,
         "world": world,
         "mode": args.mode,
+        "scenario": args.scenario,
+        "model_class": model_class,
+        "shape": {k: getattr(args, k) for k in QWEN2_ARGS},
+        "batch": args.batch,
+        "vram_budget_bytes": int(args.vram_gb * GiB) if args.vram_gb is not None else None,
+        "moment_dtype": args.moment_dtype,
+        "build_s": build_s,
+        "wrap_s": wrap_s,
         "step_s": step_s,
         "step_times": times,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
         "tokens_per_s": args.batch * args.seq / step_s,
         "trainable": sum(p.numel() for p in trainable),
         "params": sum(p.numel() for p in model.parameters()),
@@ -173,6 +298,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "peer_pooling": d.get("peer_pooling", {"on": False}),
         "h2d_bytes_per_step": per_step["h2d_bytes"],
         "pool_bytes_per_step": per_step["source_bytes"],
+        "soak": soak_summary(samples, args.tolerance) if args.soak else None,
         "decisions": [
             e["message"]
             for e in rep["events"]
@@ -186,14 +312,15 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    """The options a rank needs, as command-line arguments."""
+    """The options a rank needs, as command-line arguments (every one resolved: nothing left to a default)."""
     out = []
-    for k in (*QWEN2_ARGS, "batch"):
+    for k in (*QWEN2_ARGS, "batch", "steps", "warmup", "lora_rank", "param_offload", "threads", "timeout"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    out += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lora-rank", str(args.lora_rank)]
-    out += ["--param-offload", str(args.param_offload), "--threads", str(args.threads)]
-    out += ["--timeout", str(args.timeout), "--peer-pooling", args.peer_pooling]
-    out += ["--peer-pool-gib", str(args.peer_pool_gib)] if args.peer_pool_gib is not None else []
+    out += ["--peer-pooling", args.peer_pooling, "--tolerance", str(args.tolerance)]
+    for k in ("scenario", "peer_pool_gib", "vram_gb", "moment_dtype"):
+        if getattr(args, k) is not None:
+            out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    out += ["--soak"] if args.soak else []
     out += ["--smoke"] if args.smoke else []
     return out
 
@@ -218,6 +345,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
         for world, ranks in sorted(by_world.items()):
             tps = statistics.mean(r["tokens_per_s"] for r in ranks)  # per GPU: each rank is one GPU
             base = tps if world == 1 else base
+            soaked = [r["soak"] for r in ranks if r["soak"] is not None]
             rows.append(
                 {
                     "mode": mode,
@@ -229,9 +357,11 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
                     "rss_gib_per_rank": [r["host_ram"]["rss"] / GiB for r in ranks],
                     "pss_gib_per_rank": [r["host_ram"]["pss"] / GiB for r in ranks],
                     "optimizer_host_gib_per_rank": [r["optimizer_host_bytes"] / GiB for r in ranks],
+                    "device_peak_gib_per_rank": [r["device_peak_bytes"] / GiB for r in ranks],
                     "peer_pooling_on": all(r["peer_pooling"].get("on") for r in ranks),
                     "h2d_gib_per_step": ranks[0]["h2d_bytes_per_step"] / GiB,
                     "pool_gib_per_step": ranks[0]["pool_bytes_per_step"] / GiB,
+                    "soak_flat": all(s["flat"] for s in soaked) if soaked else None,
                     "trainable": ranks[0]["trainable"],
                     "params": ranks[0]["params"],
                 }
@@ -242,35 +372,132 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'mode':<5} {'W':>2} {'step s':>8} {'tok/s/GPU':>10} {'eff':>5} {'AdamW s':>8} {'RSS GiB':>14} "
-        f"{'Pss GiB':>14} {'pool':>4} {'h2d GiB':>8} {'pool GiB':>8}"
+        f"{'Pss GiB':>14} {'peak GiB':>8} {'pool':>4} {'h2d GiB':>8} {'pool GiB':>8} {'soak':>8}"
     )
     print(head)
     for r in rows:
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
         rss = "/".join(f"{x:.2f}" for x in r["rss_gib_per_rank"])
         pss = "/".join(f"{x:.2f}" for x in r["pss_gib_per_rank"])
+        soak = {None: "-", True: "flat", False: "NOT flat"}[r["soak_flat"]]
         print(
             f"{r['mode']:<5} {r['world']:>2} {r['step_s']:>8.4f} {r['tokens_per_s_per_gpu']:>10.0f} {eff:>5} "
-            f"{r['host_adamw_s']:>8.4f} {rss:>14} {pss:>14} {'on' if r['peer_pooling_on'] else 'off':>4} "
-            f"{r['h2d_gib_per_step']:>8.3f} {r['pool_gib_per_step']:>8.3f}"
+            f"{r['host_adamw_s']:>8.4f} {rss:>14} {pss:>14} {r['device_peak_gib_per_rank'][0]:>8.2f} "
+            f"{'on' if r['peer_pooling_on'] else 'off':>4} {r['h2d_gib_per_step']:>8.3f} "
+            f"{r['pool_gib_per_step']:>8.3f} {soak:>8}"
         )
+
+
+def print_soak(runs: dict[str, dict[int, list[dict]]]) -> None:
+    """One line per rank that soaked: each metric's min and max (MiB), spread and verdict."""
+    for m, by_world in runs.items():
+        for w, ranks in sorted(by_world.items()):
+            for r in ranks:
+                if r["soak"] is None:
+                    continue
+                s = r["soak"]
+                parts = [
+                    f"{k.removesuffix('_bytes')} {v['min'] / 2**20:.1f}-{v['max'] / 2**20:.1f} MiB "
+                    f"{100 * v['spread']:.3f}% {'flat' if v['flat'] else 'NOT flat'}"
+                    for k, v in s["metrics"].items()
+                ]
+                print(
+                    f"  soak [{m} W={w} rank {r['rank']}] {s['samples']} samples, tolerance "
+                    f"{100 * s['tolerance']:.2f}%: " + "; ".join(parts)
+                )
+
+
+def _fraction(text: str) -> float | str:
+    """``--param-offload``: ``auto`` or a fraction in [0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: 'auto' or a number in [0, 1]")
+    return value
+
+
+def _resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill what was left at None: from ``--scenario``, then the defaults; ``--smoke`` then wins."""
+    sc = None
+    if args.scenario is not None:
+        try:
+            sc = get_scenario(args.scenario)
+        except ValueError as e:
+            ap.error(str(e))
+        if sc.mode not in ("lora", "full"):
+            trains = [n for n, s in SCENARIOS.items() if s.mode in ("lora", "full")]
+            ap.error(
+                f"--scenario: got {args.scenario!r}, a {sc.mode} scenario; accepted: a training scenario "
+                f"({', '.join(trains)}). Pick one of those names."
+            )
+        if args.modes not in (None, sc.mode):
+            ap.error(
+                f"--modes: got {args.modes!r} with --scenario {sc.name} (a {sc.mode} scenario); accepted: "
+                f"{sc.mode!r} or nothing. Drop --modes."
+            )
+        args.modes = args.mode = sc.mode
+        fill = {flag: sc.shape[field] for flag, field in SHAPE_FIELDS.items()}
+        fill.update(seq=sc.seq, batch=sc.batch)
+        if args.vram_gb is None:
+            args.vram_gb = sc.vram_gb
+    else:
+        args.modes = args.modes or "lora,full"
+        fill = dict(DEFAULT_SHAPE, batch=4)
+    for k, v in fill.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.param_offload is None:
+        args.param_offload = "auto" if sc is not None or args.vram_gb is not None else 0.5
+    args.steps = args.steps if args.steps is not None else 2 if args.smoke else 10
+    args.warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 3
+    if args.smoke:
+        for k, v in SMOKE_SHAPE.items():
+            setattr(args, k, v)
+        args.batch, args.threads = 2, 1
+    checks = [
+        ("--steps", args.steps, args.steps >= 1, "an integer >= 1"),
+        ("--warmup", args.warmup, args.warmup >= 0, "an integer >= 0"),
+        ("--tolerance", args.tolerance, args.tolerance >= 0, "a number >= 0"),
+        ("--vram-gb", args.vram_gb, args.vram_gb is None or args.vram_gb > 0, "a number of GiB > 0"),
+    ]
+    for flag, value, ok, accepted in checks:
+        if not ok:
+            ap.error(f"{flag}: got {value!r}; accepted: {accepted}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="1,2", help="driver: worlds to compare (the first should be 1)")
-    ap.add_argument("--modes", default="lora,full", help="driver: lora, full or both")
+    ap.add_argument("--modes", default=None, help="driver: lora, full or both (default both; a scenario's)")
     ap.add_argument("--mode", choices=("lora", "full"), default="lora", help="rank: what to train")
     ap.add_argument("--rank-dir", help="rank: where rank{R}.json goes (set by the driver)")
     ap.add_argument("--json", help="driver: write the rows and every rank's result here")
-    add_qwen2_args(
-        ap, dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000, seq=1024)
+    ap.add_argument(
+        "--scenario",
+        default=None,
+        help=f"take mode, shape, --seq, --batch and --vram-gb from a scenario: one of {', '.join(SCENARIOS)}",
     )
-    ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    add_qwen2_args(ap, dict.fromkeys(QWEN2_ARGS))  # None: from --scenario, else DEFAULT_SHAPE
+    ap.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 4)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --smoke)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --smoke)"
+    )
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--param-offload", type=float, default=0.5, help="LoRA: fraction of blocks streamed")
+    ap.add_argument(
+        "--param-offload",
+        type=_fraction,
+        default=None,
+        help="LoRA: fraction of blocks streamed, or auto (default 0.5; auto with --vram-gb or --scenario)",
+    )
+    ap.add_argument("--vram-gb", type=float, default=None, help="wrap's vram_budget per GPU, GiB")
+    ap.add_argument(
+        "--moment-dtype", choices=("fp32", "bf16", "auto"), default=None, help="wrap's moment_dtype"
+    )
     ap.add_argument("--threads", type=int, default=4, help="host threads per rank (AdamW)")
     ap.add_argument(
         "--peer-pooling",
@@ -281,24 +508,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--peer-pool-gib", type=float, default=None, help="LoRA: DistributedConfig.peer_pool_bytes, GiB"
     )
+    ap.add_argument("--soak", action="store_true", help="sample RSS, pinned and device bytes every step")
+    ap.add_argument(
+        "--tolerance", type=float, default=0.01, help="soak: flat means (max-min)/max <= this (default 0.01)"
+    )
     ap.add_argument("--timeout", type=int, default=300, help="seconds a collective waits for the others")
     ap.add_argument("--limit-s", type=int, default=540, help="driver: seconds one torchrun may take")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with gloo: checks the script")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 64, 128, 2, 4, 2
-        args.vocab, args.seq, args.batch, args.steps, args.warmup, args.threads = 256, 32, 2, 2, 1, 1
+    _resolve(ap, args)
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if "RANK" in os.environ:
         if not args.rank_dir:
             raise SystemExit("--rank-dir is required under torchrun")
         rank_main(args)
-        return
+        return 0
     worlds = [int(w) for w in args.worlds.split(",")]
+    shape = ", ".join(f"{k} {getattr(args, k)}" for k in QWEN2_ARGS if k != "seq")
+    budget = f"{args.vram_gb:g} GiB per GPU" if args.vram_gb is not None else "none"
+    print(
+        f"scenario {args.scenario or '-'}: {args.modes}; {shape}; {args.batch}x{args.seq} tokens per rank; "
+        f"VRAM budget {budget}; {args.warmup} warm-up + {args.steps} timed steps"
+        + ("; soak" if args.soak else "")
+    )
     runs = {m: {w: run_world(args, m, w) for w in worlds} for m in args.modes.split(",")}
     rows = summarize(runs)
     print_table(rows)
@@ -306,12 +542,24 @@ def main(argv: list[str] | None = None) -> None:
         for w, ranks in by_world.items():
             for line in ranks[0]["decisions"]:
                 print(f"  [{m} W={w}] {line}")
+    print_soak(runs)
     if args.json:
-        out = {"rows": rows, "ranks": {m: {str(w): r for w, r in bw.items()} for m, bw in runs.items()}}
+        out: dict[str, Any] = {
+            "scenario": args.scenario,
+            "vram_gb": args.vram_gb,
+            "soak": args.soak,
+            "rows": rows,
+            "ranks": {m: {str(w): r for w, r in bw.items()} for m, bw in runs.items()},
+        }
         if torch.cuda.is_available():
             out["device"] = torch.cuda.get_device_name(0)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+    not_flat = [r for r in rows if r["soak_flat"] is False]
+    if not_flat and not args.smoke:
+        print(f"soak: not flat in {len(not_flat)} run(s) (see the soak lines above)")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

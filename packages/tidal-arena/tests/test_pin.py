@@ -65,3 +65,30 @@ def test_gpu_pin_1_gib_in_place(copy_gbps):
     assert arena_stats()["pinned_in_place_bytes"] == before["pinned_in_place_bytes"]
     with pytest.raises(ArenaError, match="was not pinned by pin_"):
         unpin_(t)
+
+
+def test_pin_view_needs_one_byte_range():
+    t = torch.arange(64, dtype=torch.float32).view(8, 8)
+    for fn in (pin_, unpin_):
+        with pytest.raises(
+            ValueError, match=r"\(view=True\): tensor must be contiguous.*Fix: pass a contiguous"
+        ):
+            fn(t.t(), view=True)
+
+
+@pytest.mark.gpu
+def test_gpu_pin_views_of_one_storage():
+    """Two disjoint page runs of one storage registered apart (the gap between them is not touched); a copy
+    from inside each is asynchronous and exact; each unpins on its own."""
+    page = 4096
+    buf = torch.arange(16 * page, dtype=torch.uint8)  # [16 pages] of bytes, pageable
+    a, b = buf[0 : 4 * page], buf[8 * page : 12 * page]
+    pin_(a, view=True)
+    pin_(b, view=True)
+    assert a.is_pinned() and b.is_pinned() and not buf[5 * page : 6 * page].is_pinned()
+    got = [x.view(torch.int32).to("cuda", non_blocking=True) for x in (a, b)]
+    torch.cuda.synchronize()  # why: the non-blocking copies are done before the results are read
+    assert all(torch.equal(g.cpu(), x.view(torch.int32)) for g, x in zip(got, (a, b)))
+    unpin_(a, view=True)
+    unpin_(b, view=True)
+    assert not a.is_pinned() and not b.is_pinned()

@@ -103,10 +103,14 @@ def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Pa
     device = (
         f"cuda:{os.environ['LOCAL_RANK']}" if cfg.get("backend") == "nccl" else cfg.get("device", "cuda:0")
     )
-    model = PoolNet().to(device)
+    # model_device "cpu": the model is on the host at wrap() (as a model larger than the GPU would be)
+    model = PoolNet().to(cfg.get("model_device", device))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR)
-    # every base streams, activations stay (so both runs fetch the same blocks the same number of times)
-    options = {"param_offload": True, "recompute": False, "activation_offload": False, "blocks": "blocks"}
+    # every base streams by default, activations stay (so runs fetch the same blocks the same number of times)
+    options = {"recompute": False, "activation_offload": False, "blocks": "blocks"}
+    options["param_offload"] = cfg.get("param_offload", True)
+    if "model_device" in cfg:
+        options["device"] = device  # the model is elsewhere: wrap() moves what stays resident here
     model, opt = wrap(model, opt, distributed=dcfg, **options)
     per, losses = GLOBAL_BATCH // world, []
     for step in range(LORA_STEPS):
@@ -136,6 +140,7 @@ def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Pa
         # every streamed frozen tensor's host copy is a view of the machine's shared mapping
         sb = next(e.weights.sb for e in exts if hasattr(e, "weights"))
         out["host_copies_in_mapping"] = all(shared.owns(t) for i in range(len(sb)) for t in sb.host_copies(i))
+        out["host_copies_pinned"] = all(t.is_pinned() for i in range(len(sb)) for t in sb.host_copies(i))
     torch.save(
         {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
         outdir / f"params{rank}.pt",

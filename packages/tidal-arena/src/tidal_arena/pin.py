@@ -1,4 +1,5 @@
-"""`pin_` / `unpin_`: page-lock an existing CPU tensor's memory in place (``cudaHostRegister``), no copy."""
+"""`pin_` / `unpin_`: page-lock an existing CPU tensor's memory in place (``cudaHostRegister``), no copy:
+its whole storage, or (``view=True``) exactly the bytes of a contiguous view."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tidal_arena.errors import ArenaError, PageLockLimitError
 
 logger = logging.getLogger(__name__)
 
-# data_ptr of a registered storage -> (the storage, its byte count).
+# start of a registered range (a storage's, or a view's with view=True) -> (the storage, the range's bytes).
 # [Note: registered storage lifetime] The storage must not be freed while registered (unregistering
 # freed memory is undefined), so the registry holds a reference until unpin_.
 _REGISTERED: dict[int, tuple[torch.UntypedStorage, int]] = {}
@@ -31,7 +32,20 @@ def _check_cpu_tensor(where: str, tensor: object) -> torch.Tensor:
     return tensor
 
 
-def pin_(tensor: torch.Tensor) -> torch.Tensor:
+def _span(where: str, tensor: torch.Tensor, view: bool) -> tuple[int, int]:
+    """``(start, bytes)`` that :func:`pin_` registers: the whole storage, or the contiguous view's bytes."""
+    if not view:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{where}(view=True): tensor must be contiguous (one byte range), got strides {tensor.stride()} "
+            f"for shape {tuple(tensor.shape)}. Fix: pass a contiguous slice, or view=False for the storage."
+        )
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def pin_(tensor: torch.Tensor, *, view: bool = False) -> torch.Tensor:
     """Page-lock ``tensor``'s whole storage in place (``cudaHostRegister``): same memory, no copy.
 
     Afterwards ``tensor.is_pinned()`` is True and copies from it run asynchronously at full PCIe speed. The
@@ -40,8 +54,13 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     separate registrations (it fails with cudaErrorInvalidValue), so splitting it across threads is not an option. Pinning an already registered tensor is a no-op. Without CUDA or CuPy this logs once and
     leaves the tensor pageable (counted in ``arena_stats()["pin_noops"]``).
 
+    With ``view=True`` only the bytes of ``tensor`` itself are registered (it must be contiguous): several
+    disjoint views of one large storage (e.g. the parts of a shared mapping still read by the GPU) can be
+    page-locked without faulting in, or locking, the parts between them. Views must not share a page.
+
     Args:
-        tensor: a CPU tensor (any dtype, shape; its storage is registered).
+        tensor: a CPU tensor (any dtype, shape; its storage, or with ``view=True`` its bytes, registered).
+        view: register the view's byte range instead of the whole storage.
 
     Returns:
         ``tensor`` itself.
@@ -51,7 +70,7 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     """
     _check_cpu_tensor("pin_", tensor)
     storage = tensor.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    ptr, nbytes = _span("pin_", tensor, view)
     if nbytes == 0:
         return tensor
     runtime, why = _backend.cupy_runtime()
@@ -81,11 +100,12 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def unpin_(tensor: torch.Tensor) -> torch.Tensor:
+def unpin_(tensor: torch.Tensor, *, view: bool = False) -> torch.Tensor:
     """Undo :func:`pin_`: unregister ``tensor``'s storage (its data is untouched) and drop the reference.
 
     Args:
         tensor: a CPU tensor previously passed to :func:`pin_` (or a tensor over the same storage).
+        view: the range was registered with ``pin_(tensor, view=True)``.
 
     Returns:
         ``tensor`` itself.
@@ -94,9 +114,8 @@ def unpin_(tensor: torch.Tensor) -> torch.Tensor:
         ArenaError: CUDA is present and the storage was not pinned by :func:`pin_`.
     """
     _check_cpu_tensor("unpin_", tensor)
-    storage = tensor.untyped_storage()
-    ptr = storage.data_ptr()
-    if storage.nbytes() == 0:
+    ptr, nbytes = _span("unpin_", tensor, view)
+    if nbytes == 0:
         return tensor
     runtime, _why = _backend.cupy_runtime()
     if runtime is None:

@@ -11,7 +11,8 @@ When a process group with more than one rank is initialized (``torchrun --nproc_
   trainable parameters, keeps only that shard's fp32 master and moments in host memory, updates it with
   the fused host AdamW, and the updated weights are all-gathered — host AdamW time per rank is ~1/W;
 - frozen weights that live in host memory are shared by the ranks of one machine
-  (:mod:`tidal_stream.shared_host`): one copy per node, filled by local rank 0;
+  (:mod:`tidal_stream.shared_host`): one copy per node, filled by local rank 0; on CUDA, once resident
+  weights have moved to the GPU their pages are given back, and what streamed blocks read is page-locked;
 - every collective of tidal runs on a group with ``DistributedConfig.timeout``: a rank that crashes or
   stalls makes the others raise :class:`DistributedError` instead of hanging (gloo; NCCL: see below).
 
@@ -301,6 +302,17 @@ def host_ram_share(available: int, local_world: int, shared_bytes: int = 0) -> i
     return shared_bytes + max(0, available - shared_bytes) // local_world
 
 
+def _host_reads(session: Any, model: nn.Module) -> list[torch.Tensor]:
+    """Host tensors this rank still reads after set-up: weights left on the host and the streamed blocks'
+    host copies (the shared copy keeps exactly these)."""
+    out = [t for t in model.parameters() if t.device.type == "cpu"]
+    for ext in session.extensions:
+        sb = getattr(getattr(ext, "weights", None), "sb", None)  # the weight streaming's StreamedBlocks
+        if sb is not None:
+            out += [t for i in range(len(sb)) for t in sb.host_copies(i)]
+    return out
+
+
 def _check_same_params(ctx: DPContext, trainable: list[nn.Parameter]) -> None:
     mine = [(tuple(p.shape), str(p.dtype)) for p in trainable]
     every = ctx.all_objects(mine, "parameter layout check")
@@ -468,13 +480,7 @@ def wrap_distributed(
             ctx.broadcast_(b, "broadcast of the buffers")
     session.record("distributed", f"{len(trainable)} trainable tensors and the buffers broadcast from rank 0")
     shared = None
-    if config.share_frozen and device.type != "cpu":
-        session.record(
-            "shared-host",
-            "shared host copy: off on CUDA: resident frozen weights live on the device, and streamed blocks "
-            "keep one pinned host copy per rank (the mapping is not page-locked for the GPU yet)",
-        )
-    elif config.share_frozen:
+    if config.share_frozen:
         token = uuid.uuid4().hex[:16] if ctx.rank == 0 else None
         token = ctx.all_objects(token, "shared copy name exchange")[0]
         shared = SharedHostCopy.share_frozen(model, ctx, config.shm_dir, token, session.record)
@@ -504,6 +510,8 @@ def wrap_distributed(
         # state_dict() reads streamed weights from their host copies (their device storage is empty)
         session.handles += _streamed_state_dict_hooks(session, model)
         _move_resident(session, model)
+        if shared is not None:
+            shared.settle(_host_reads(session, model), pin=device.type == "cuda", record=session.record)
         pool = install_peer_pool(session, ctx, config.peer_pooling, config.peer_pool_bytes, session.record)
         if pool is not None:
             session.extensions.insert(0, pool)  # unwrap() stops peer reads before streaming is removed

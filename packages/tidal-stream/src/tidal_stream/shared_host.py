@@ -19,13 +19,24 @@ the frozen tensors it finds in the mapping in place (``adopt_host=copy.owns``) i
 into private host buffers, so a rank holds no second copy of its streamed frozen weights.
 :meth:`SharedHostCopy.release` (at ``unwrap()``) drops this object's reference to the mapping; the
 kernel unmaps it once no tensor views it any more.
+
+On CUDA (:meth:`SharedHostCopy.settle`, after weight streaming is installed and resident weights moved to
+the device): the tensors no local rank reads from the host any more (the resident ones, now on the GPU)
+give their pages back to the kernel (``madvise(MADV_REMOVE)`` punches them out of the tmpfs file for
+every mapper), and every rank page-locks the runs of pages still read (``cudaHostRegister`` of each run,
+``tidal_arena.pin_(view=True)``) so the streamed blocks' copies from the mapping are asynchronous DMA at
+the full host link. Every run is registered once per process; a copy never spans two runs, because a
+tensor lies inside one run.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import logging
+import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,6 +47,40 @@ __all__ = ["SharedHostCopy"]
 log = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes; every tensor starts aligned (any dtype's view of the byte buffer is legal)
+_PAGE = mmap.PAGESIZE
+_MADV_REMOVE = 9  # linux/mman.h: free the range's backing store (tmpfs: punch a hole in the file)
+
+
+def page_runs(
+    spans: Iterable[tuple[int, int]], total: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Split ``[0, total)`` (rounded up to whole pages) into the page runs that cover ``spans`` and the rest.
+
+    Args:
+        spans: ``(start, end)`` byte ranges in use.
+        total: the mapping's bytes.
+
+    Returns:
+        ``(used, free)``: sorted, disjoint ``(start, end)`` page-aligned byte ranges; ``used`` covers every
+        span (a page touched by a span is used), ``free`` is the complement.
+    """
+    used: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        lo, hi = a // _PAGE * _PAGE, -(-b // _PAGE) * _PAGE
+        if used and lo <= used[-1][1]:
+            used[-1] = (used[-1][0], max(used[-1][1], hi))  # touching or overlapping pages: one run
+        else:
+            used.append((lo, hi))
+    free, at, end = [], 0, -(-total // _PAGE) * _PAGE
+    for lo, hi in used:
+        if lo > at:
+            free.append((at, lo))
+        at = hi
+    if at < end:
+        free.append((at, end))
+    return used, free
 
 
 class SharedHostCopy:
@@ -58,8 +103,13 @@ class SharedHostCopy:
         for _, _, t in entries:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        total = -(-total // _PAGE) * _PAGE  # whole pages: every page of the mapping lies inside the file
         self.nbytes = total
         self.tensors = len(entries)
+        self.offsets = offsets  # byte offset of each entry, ascending
+        self.sizes = [t.numel() * t.element_size() for _, _, t in entries]
+        self.released_bytes = 0  # pages given back by settle(): no local rank reads them from the host
+        self._pinned: list[torch.Tensor] = []  # page runs this rank registered (settle); unpinned by release
         self.path = os.path.join(shm_dir, f"tidal-{token}-node{ctx.node}")
         if ctx.local_rank == 0:
             with open(self.path, "wb") as f:
@@ -147,8 +197,82 @@ class SharedHostCopy:
         lo, n = buf.data_ptr(), t.numel() * t.element_size()
         return lo <= t.data_ptr() and t.data_ptr() + n <= lo + self.nbytes
 
+    def settle(self, in_use: Iterable[torch.Tensor], pin: bool, record: Callable[..., None]) -> None:
+        """Give back the pages no local rank reads from the host, then (``pin``) page-lock the rest.
+
+        Collective over the process group (every rank calls it once, after weight streaming is installed
+        and resident weights moved to the device).
+
+        Args:
+            in_use: the host tensors this rank still reads (the streamed blocks' host copies, frozen
+                weights left on the host); those outside the mapping are ignored.
+            pin: page-lock the used runs on this rank (CUDA: the streamed blocks' H2D copies read them).
+            record: the decision log's ``record(kind, message, **data)``.
+        """
+        from tidal_arena import PageLockLimitError, pin_
+
+        buf = self._buf
+        assert buf is not None, "settle() after release()"
+        base = buf.data_ptr()
+        mine = set()
+        for t in in_use:
+            if self.owns(t):
+                i = bisect.bisect_right(self.offsets, t.data_ptr() - base) - 1
+                mine.add(i)
+        every = self.ctx.all_objects((self.ctx.node, sorted(mine)), "shared host copy: entries in use")
+        used_entries = {i for node, idx in every if node == self.ctx.node for i in idx}
+        spans = [(self.offsets[i], self.offsets[i] + self.sizes[i]) for i in sorted(used_entries)]
+        used, free = page_runs(spans, self.nbytes)
+        # every local rank has moved its resident weights off the mapping before any page is removed
+        self.ctx.barrier("shared host copy: resident weights left the mapping")
+        if self.ctx.local_rank == 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            for lo, hi in free:
+                if libc.madvise(base + lo, hi - lo, _MADV_REMOVE) != 0:
+                    err = ctypes.get_errno()
+                    log.warning("shared host copy: madvise(MADV_REMOVE) failed: %s", os.strerror(err))
+                    break
+        self.released_bytes = sum(hi - lo for lo, hi in free)
+        kept = sum(hi - lo for lo, hi in used)
+        record(
+            "shared-host",
+            f"shared host copy: {kept / 2**20:.1f} MiB still read from the host by {len(used_entries)} of "
+            f"{self.tensors} tensors; {self.released_bytes / 2**20:.1f} MiB of resident weights given back",
+            kept_bytes=kept,
+            released_bytes=self.released_bytes,
+        )
+        if not pin:
+            return
+        try:
+            for lo, hi in used:
+                self._pinned.append(pin_(buf[lo:hi], view=True))
+        except PageLockLimitError as e:
+            self._unpin()
+            record(
+                "shared-host",
+                f"shared host copy: could not page-lock it ({e}); streamed blocks copy from pageable memory "
+                "(synchronous, slower H2D). Fix: raise ulimit -l or free page-locked memory.",
+            )
+            log.warning("shared host copy stays pageable: %s", e)
+            return
+        record(
+            "shared-host",
+            f"shared host copy: {kept / 2**20:.1f} MiB page-locked on this rank in {len(used)} runs "
+            "(asynchronous H2D from the mapping)",
+            pinned_bytes=kept,
+        )
+
+    def _unpin(self) -> None:
+        from tidal_arena import unpin_
+
+        while self._pinned:
+            unpin_(self._pinned.pop(), view=True)
+
     def release(self) -> None:
-        """Drop this object's reference to the mapping (``unwrap()``); tensors still viewing it keep it."""
+        """Unregister the page-locked runs and drop this object's reference to the mapping (``unwrap()``);
+        tensors still viewing it keep it."""
+        self._unpin()
         self._buf = None
 
     def smaps(self) -> dict[str, int]:
@@ -170,7 +294,9 @@ class SharedHostCopy:
             "path": self.path,
             "bytes": self.nbytes,
             "tensors": self.tensors,
-            "counted_bytes": self.nbytes if self.ctx.local_rank == 0 else 0,
+            "counted_bytes": self.nbytes - self.released_bytes if self.ctx.local_rank == 0 else 0,
+            "released_bytes": self.released_bytes,
+            "pinned_bytes": sum(t.numel() for t in self._pinned),
             "local_world": self.ctx.local_world,
             **{f"mapped_{k}": v for k, v in self.smaps().items()},
         }

@@ -9,6 +9,7 @@
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh dp14b     # two GPUs: lora14b at 24 GiB, worlds 1 and 2, with the shared host copy; a 200-step soak (~6 min)
 #   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
+#   bash tools/gpu-bench.sh dp72b     # two GPUs: lora72b at 80 GiB per GPU, one host copy, peer pooling off then auto (~10 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
@@ -64,6 +65,10 @@ case "${1:-}" in
   dp8b)
     step 330 dp8b.log -- python3 benchmarks/distributed/scaling.py --scenario full8b --vram-gb 80 --threads 16 --steps 3 --warmup 1 --worlds 1,2 --json "$out/dp-full8b.json"
     ;;
+  dp72b)
+    step 280 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling off --json "$out/dp-lora72b-off.json"
+    step 280 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling auto --json "$out/dp-lora72b-auto.json"
+    ;;
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
     ;;
@@ -75,7 +80,7 @@ case "${1:-}" in
     step 540 micro.log -- python3 -m pytest -p tidal_testing.plugin benchmarks --benchmark-only -q --benchmark-json="$out/micro-h200.json"
     ;;
   *)
-    sed -n '2,15p' "$0"
+    sed -n '2,16p' "$0"
     exit 2
     ;;
 esac

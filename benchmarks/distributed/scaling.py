@@ -46,6 +46,13 @@ For example::
 
     ... scaling.py --scenario lora14b --vram-gb 24 --worlds 1,2 --json dp-lora14b.json
 
+One host copy from the start: with ``--placeholders`` the local ranks other than 0 build the scenario's
+frozen weights as meta placeholders, which ``wrap`` fills from the machine's shared host copy (local rank 0
+builds the real ones), so host RAM holds one copy of the base during the build too — ``lora72b`` (145 GB
+of bf16 weights) at world 2 on a 256 GiB machine::
+
+    ... scaling.py --scenario lora72b --worlds 2 --placeholders --peer-pooling off --json dp-lora72b-off.json
+
 Budget and moments: ``--vram-gb X`` passes ``vram_budget`` (X GiB per GPU) to ``wrap`` and lets the plan
 choose what streams (``--param-offload`` defaults to ``auto`` then, and with ``--scenario``);
 ``--moment-dtype`` passes ``moment_dtype`` (default: not passed, wrap's fp32).
@@ -150,7 +157,9 @@ def build_scenario_model(args: argparse.Namespace, device: torch.device) -> tupl
     from engines.common import decoder_layers
     from engines.tidal_engine import build_model as build_engine_model
 
-    model = build_engine_model(scenario_of(args), None, device, seed=0)
+    # with --placeholders only local rank 0 fills the frozen weights: the others read the shared host copy
+    placeholder = args.placeholders and int(os.environ.get("LOCAL_RANK", "0")) != 0
+    model = build_engine_model(scenario_of(args), None, device, seed=0, frozen_meta=placeholder)
     model.config.use_cache = False  # training: no KV cache
     return model.train(), decoder_layers(model)
 
@@ -321,6 +330,7 @@ def _forward(args: argparse.Namespace) -> list[str]:
         if getattr(args, k) is not None:
             out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     out += ["--soak"] if args.soak else []
+    out += ["--placeholders"] if args.placeholders else []
     out += ["--smoke"] if args.smoke else []
     return out
 
@@ -509,6 +519,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--peer-pool-gib", type=float, default=None, help="LoRA: DistributedConfig.peer_pool_bytes, GiB"
     )
     ap.add_argument("--soak", action="store_true", help="sample RSS, pinned and device bytes every step")
+    ap.add_argument(
+        "--placeholders",
+        action="store_true",
+        help="scenario: local ranks other than 0 build frozen weights as meta placeholders (one host copy "
+        "per machine from the start: a 72B base on a 256 GiB machine)",
+    )
     ap.add_argument(
         "--tolerance", type=float, default=0.01, help="soak: flat means (max-min)/max <= this (default 0.01)"
     )

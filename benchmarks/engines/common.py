@@ -219,6 +219,7 @@ def materialize(
     seed: int = 0,
     block_hook: Callable[[nn.Module], None] | None = None,
     rest_where: Where | None = None,
+    frozen_meta: bool = False,
 ) -> nn.Module:
     """Fill a meta-device model in bounded chunks (one block at a time) and leave it where asked.
 
@@ -234,6 +235,8 @@ def materialize(
         seed: base seed; every tensor's values depend only on its name and this seed.
         block_hook: called on each decoder block after it is filled, before it moves.
         rest_where: placement of the modules outside the block stack (default: ``where``).
+        frozen_meta: leave frozen parameters on the meta device: placeholders that a data-parallel rank's
+            shared host copy fills (``tidal_stream``'s local rank 0 holds the real ones).
 
     Returns:
         ``model``, materialized.
@@ -252,7 +255,7 @@ def materialize(
             if id(p) in done:
                 _set_param(unit, pname, done[id(p)][1])
                 continue
-            if p.device.type != "meta":
+            if p.device.type != "meta" or (frozen_meta and not p.requires_grad):
                 continue
             # [out, in] or [n]: one tensor at a time keeps the device peak at one block
             new = torch.empty(p.shape, dtype=p.dtype, device=device)

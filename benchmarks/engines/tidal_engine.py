@@ -106,12 +106,14 @@ def build_model(
     device: torch.device,
     seed: int,
     on_block: Callable[[nn.Module], None] | None = None,
+    frozen_meta: bool = False,
 ) -> nn.Module:
     """The model ``wrap`` gets: blocks filled (and quantized to ``fmt``) on ``device``, then kept in host RAM.
 
     LoRA adapters are added on the meta device first when the scenario trains adapters. On the CPU the
     host is the device, so the model stays where it was built. ``on_block`` sees each block after its
-    hook, before it moves.
+    hook, before it moves. ``frozen_meta``: frozen weights stay meta placeholders (a data-parallel rank
+    other than local rank 0, which reads them from the machine's shared host copy).
     """
     model = build_meta_model(scenario, torch.bfloat16)
     if scenario.mode == "lora":
@@ -124,7 +126,7 @@ def build_model(
             on_block(block)
 
     where = "device" if device.type == "cpu" else "cpu"
-    materialize(model, where, device=device, seed=seed, block_hook=hook)
+    materialize(model, where, device=device, seed=seed, block_hook=hook, frozen_meta=frozen_meta)
     return model
 
 

@@ -80,10 +80,15 @@ def test_soak_run_reports_every_rank(soak_run: tuple[dict[str, Any], str]) -> No
 
 
 def test_scenario_smoke_keeps_the_tiny_shape(tmp_path: Path) -> None:
-    data, stdout = _run(tmp_path, "--scenario", "lora14b", "--smoke", "--worlds", "1")
+    """A scenario at world 2 with --placeholders: rank 1 builds no frozen weights of its own and trains on
+    the copy rank 0 filled (its log says so); the smoke shape wins over the scenario's."""
+    data, stdout = _run(tmp_path, "--scenario", "lora14b", "--smoke", "--worlds", "2", "--placeholders")
     assert data["scenario"] == "lora14b" and data["vram_gb"] == 24.0
-    assert [(r["mode"], r["world"]) for r in data["rows"]] == [("lora", 1)]
-    (rank,) = data["ranks"]["lora"]["1"]
+    assert [(r["mode"], r["world"]) for r in data["rows"]] == [("lora", 2)]
+    rank, other = data["ranks"]["lora"]["2"]
+    assert any("placeholders on the meta device filled from it" in m for m in other["decisions"])
+    assert not any("placeholders" in m for m in rank["decisions"])
+    assert other["params"] == rank["params"] and other["trainable"] == rank["trainable"]
     assert rank["scenario"] == "lora14b" and rank["model_class"] == "Qwen2ForCausalLM"
     assert rank["shape"] == scaling.SMOKE_SHAPE and rank["batch"] == 2
     assert rank["params"] < 10**6  # the smoke shape, not 14.8 B

@@ -250,6 +250,48 @@ def _train(
             opt.zero_grad()
 
 
+def _shared_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Path) -> dict:
+    """LoRA-like training on the node's shared copy (ranks in ``meta_frozen_ranks`` hold meta placeholders):
+    the copy's accounting, the frozen weights' devices; a refusal by wrap() as ``error``/``message``."""
+    import torch.distributed as dist
+
+    from tidal_stream import memory_report, unwrap, wrap
+    from tidal_stream.distributed import DistributedError
+
+    out: dict = {}
+    model = LoraLike()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    if rank in cfg.get("meta_frozen_ranks", ()):
+        for mod in model.modules():  # placeholders: this rank never holds the frozen weights itself
+            for name, p in list(mod._parameters.items()):
+                if p is not None and not p.requires_grad:
+                    mod._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR)
+    try:
+        model, opt = wrap(model, opt, distributed=dcfg)
+    except DistributedError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    per = GLOBAL_BATCH // world
+    for step in range(LORA_STEPS):
+        lora_loss(model, lora_batch(step)[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()  # every rank has read every frozen page before the accounting is read
+    rep = memory_report(model)
+    out["shared"] = rep["distributed"]["shared_host"]
+    out["frozen_same"] = all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in frozen.values())
+    out["frozen_devices"] = sorted({str(p.device) for p in model.parameters() if not p.requires_grad})
+    out["events"] = [e["message"] for e in rep["events"]]
+    torch.save(
+        {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        outdir / f"params{rank}.pt",
+    )
+    dist.barrier()  # keep every mapping alive until all ranks have read their smaps
+    unwrap(model)
+    return out
+
+
 def main() -> None:
     scenario, outdir, cfg = sys.argv[1], pathlib.Path(sys.argv[2]), json.loads(sys.argv[3])
     import torch.distributed as dist
@@ -318,29 +360,7 @@ def main() -> None:
         )
         unwrap(model)
     elif scenario == "shared":
-        model = LoraLike()
-        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR)
-        model, opt = wrap(model, opt, distributed=dcfg)
-        per = GLOBAL_BATCH // world
-        for step in range(LORA_STEPS):
-            lora_loss(model, lora_batch(step)[rank * per : (rank + 1) * per]).backward()
-            opt.step()
-            opt.zero_grad()
-        dist.barrier()  # every rank has read every frozen page before the accounting is read
-        rep = memory_report(model)
-        out["shared"] = rep["distributed"]["shared_host"]
-        out["frozen_same"] = all(
-            torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen
-        )
-        out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in frozen.values())
-        out["events"] = [e["message"] for e in rep["events"]]
-        torch.save(
-            {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-            outdir / f"params{rank}.pt",
-        )
-        dist.barrier()  # keep every mapping alive until all ranks have read their smaps
-        unwrap(model)
+        out.update(_shared_run(cfg, rank, world, dcfg, outdir))
     elif scenario == "pool":
         out.update(_pool_run(cfg, rank, world, dcfg, outdir))
     elif scenario == "fail":

@@ -162,9 +162,12 @@ def test_parity_3_ranks_clip_and_accumulation(tmp_path: pathlib.Path) -> None:
     assert all(r["early_updates"] == 0 for r in res)  # clipping: every update waits for the global norm
 
 
-def test_shared_host_copy_accounting(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("meta_ranks", [(), (1,)], ids=["loaded-everywhere", "meta-on-rank-1"])
+def test_shared_host_copy_accounting(tmp_path: pathlib.Path, meta_ranks: tuple[int, ...]) -> None:
+    """One copy per node by the kernel's accounting; training as in one process. With rank 1 holding the
+    frozen weights as meta placeholders, it trains on the copy rank 0 filled, bit for bit the same."""
     world, page = 2, 4096
-    res = launch("shared", world, tmp_path)
+    res = launch("shared", world, tmp_path, meta_frozen_ranks=list(meta_ranks))
     _ok(res)
     # the adapters train as in one process on the whole batch (the frozen base read from the shared copy)
     got = _load(tmp_path, world)[0]
@@ -182,6 +185,10 @@ def test_shared_host_copy_accounting(tmp_path: pathlib.Path) -> None:
     assert abs(pss - -(-nbytes // page) * page) <= world * 1024, (pss, nbytes)
     assert not pathlib.Path(res[0]["shared"]["path"]).exists()  # the name is unlinked once mapped
     assert any("host RAM share" in m for m in res[0]["events"])
+    assert all(r["frozen_devices"] == ["cpu"] for r in res)  # placeholders became host views
+    assert any("placeholders on the meta device filled from it" in m for m in res[1]["events"]) == bool(
+        meta_ranks
+    )
 
 
 @pytest.mark.parametrize(("mode", "world"), [pytest.param("crash", 3, marks=pytest.mark.slow), ("stall", 2)])
@@ -315,6 +322,72 @@ def test_one_rank_is_bitwise_torch_adamw(one_rank_group: None) -> None:
         opt.step()
 
 
+def test_meta_placeholders_on_local_rank_0_are_refused(tmp_path: pathlib.Path) -> None:
+    """Local rank 0 fills the node's copy: frozen weights on the meta device there are a clear error on
+    every rank (the layout exchange is collective), not a crash inside the copy."""
+    res = launch("shared", 2, tmp_path, meta_frozen_ranks=[0])
+    for r in res:
+        assert r["error"] == "DistributedError", r
+        assert "local rank 0 of node 0 (rank 0) holds" in r["message"] and "Fix:" in r["message"]
+
+
+def test_after_first_update_runs_once(one_rank_group: None) -> None:
+    """The one-shot callback wrap_distributed() arms for the measured refinement runs after the first
+    update only (not after a micro-step of accumulation, not again)."""
+    from tidal_stream import unwrap, wrap
+
+    model = worker.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
+    model, opt = wrap(model, opt, distributed=DistributedConfig(timeout=10.0), accumulation_steps=2)
+    calls: list[int] = []
+    opt._after_first_update = lambda: calls.append(len(calls))
+    for step in range(4):
+        worker.loss_on(model, *worker.global_batch(step)).backward()
+        opt.step()
+        assert calls == ([] if step == 0 else [0]), step
+        opt.zero_grad()
+    unwrap(model)
+
+
+@pytest.mark.gpu
+def test_offloaded_activations_that_fit_are_kept_after_the_first_step(one_rank_group: None) -> None:
+    """One rank on CUDA, every block's activations offloaded by request: after the first update the measured
+    room (the whole GPU) keeps them on the device; the loss is the same as with offloading (bit-identical
+    copies of the same tensors)."""
+    from tidal_stream import memory_report, unwrap, wrap
+
+    losses = {}
+    for name, offload in (("offload", True), ("keep", False)):
+        model = worker.PoolNet().cuda()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=worker.LORA_LR)
+        model, opt = wrap(
+            model,
+            opt,
+            distributed=DistributedConfig(timeout=30.0),
+            blocks="blocks",
+            param_offload=False,
+            recompute=False,
+            activation_offload=offload,
+        )
+        losses[name] = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(256, 256, generator=gen).cuda()  # [256, 256]: saved tensors of 256 KiB, offloaded
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+        events = [e["message"] for e in memory_report(model)["events"]]
+        if offload:
+            line = next(m for m in events if m.startswith("measured first step"))
+            assert "blocks 0-3 KEEP their activations on the device" in line, line
+        else:
+            assert not any(m.startswith("measured first step") for m in events)
+        unwrap(model)
+    assert losses["offload"] == losses["keep"]
+
+
 def test_dp_option_errors(one_rank_group: None) -> None:
     from tidal_stream import wrap
 
@@ -326,6 +399,10 @@ def test_dp_option_errors(one_rank_group: None) -> None:
         wrap(model, None, distributed=True, delayed_update=True)
     with pytest.raises(OptionError, match="offload"):
         wrap(model, None, distributed=True, offload=False)
+    lora = worker.LoraLike()
+    lora.base[0]._parameters["weight"] = torch.nn.Parameter(torch.empty(256, 256, device="meta"), False)
+    with pytest.raises(OptionError, match=r"distributed.share_frozen=False is invalid.*meta placeholders"):
+        wrap(lora, None, distributed=DistributedConfig(share_frozen=False))
 
 
 def test_one_rank_bf16_weights_match_offload_adamw(one_rank_group: None) -> None:

@@ -15,6 +15,7 @@ from tidal_stream import session_of, unwrap, wrap
 from tidal_stream.placement import (
     device_share,
     device_state_bytes,
+    keep_activations_after_first_step,
     keep_offloaded_activations,
     promote_to_device,
     refine_after_first_step,
@@ -464,3 +465,24 @@ def test_refinement_leaves_activations_of_a_given_plan_and_without_room(monkeypa
     acts.policies[47], acts.policies[46], acts.block_bytes[45] = "recompute", "keep", 0
     assert keep_offloaded_activations(session, 10 * GiB) == (list(range(45)), 45 * 160 * MiB)
     assert acts.policies[45:] == ["offload", "keep", "recompute"]
+
+
+def test_data_parallel_keeps_offloaded_activations_that_fit(monkeypatch):
+    """Under data parallel (the optimizer sharded on the host, nothing to promote) the first step's measured
+    room goes to activations alone: the same 7.93 GiB, the same last 40 blocks, logged."""
+    acts = _Acts([200 * MiB] * 48)
+    session, _opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+    budget = int(23.7 * GiB)
+    keep_activations_after_first_step(session, foreign, budget)
+    kind, msg, data = session.events[-1]
+    assert kind == "placement" and data["activations_kept"] == list(range(8, 48))
+    assert acts.policies == ["offload"] * 8 + ["keep"] * 40
+    assert "room 7.93 GiB after 2.37 GiB headroom" in msg and "blocks 8-47 KEEP" in msg
+    # no room (a peak at the budget): nothing changes and the log says so
+    acts2 = _Acts([200 * MiB] * 4)
+    session2, _, foreign2 = _lora14b_at_24gib(monkeypatch, acts2)
+    keep_activations_after_first_step(session2, foreign2, int(14 * GiB))
+    assert (
+        acts2.policies == ["offload"] * 4
+        and "every offloaded block keeps offloading" in session2.events[-1][1]
+    )

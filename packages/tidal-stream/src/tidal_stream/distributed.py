@@ -302,6 +302,23 @@ def host_ram_share(available: int, local_world: int, shared_bytes: int = 0) -> i
     return shared_bytes + max(0, available - shared_bytes) // local_world
 
 
+def _measure_first_step(session: Any, model: nn.Module, opt: Any, budget: int | None, pool: Any) -> None:
+    """Arm the measured refinement of activations: the plan sized them for its token count, not the real
+    batch; after the first step the offloaded blocks that fit the measured room keep theirs on the device.
+    The peer pool's buffer is this model's (it counts against the budget), not foreign."""
+    from tidal_stream.placement import foreign_device_bytes, keep_activations_after_first_step
+
+    dev = session.device
+    torch.cuda.synchronize(dev)  # why: wrap's copies are done before the foreign bytes are read
+    own_pool = pool.own.untyped_storage().nbytes() if pool is not None and pool.own is not None else 0
+    foreign = max(0, foreign_device_bytes(opt, model, dev) - own_pool)
+    # the refinement reads the first step's peak of RESERVED bytes: blocks cached by wrap's own moves
+    # (weights streamed out, resident ones in) would count as this model's use
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    opt._after_first_update = lambda: keep_activations_after_first_step(session, foreign, budget)
+
+
 def _host_reads(session: Any, model: nn.Module) -> list[torch.Tensor]:
     """Host tensors this rank still reads after set-up: weights left on the host and the streamed blocks'
     host copies (the shared copy keeps exactly these)."""
@@ -442,6 +459,7 @@ def wrap_distributed(
         ``(model, optimizer)`` with a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
     """
     from tidal_stream.peer_pool import install_peer_pool
+    from tidal_stream.placement import offloads_activations
     from tidal_stream.session import Session
     from tidal_stream.sharded_optimizer import ShardedHostAdamW
     from tidal_stream.shared_host import SharedHostCopy
@@ -480,6 +498,13 @@ def wrap_distributed(
             ctx.broadcast_(b, "broadcast of the buffers")
     session.record("distributed", f"{len(trainable)} trainable tensors and the buffers broadcast from rank 0")
     shared = None
+    if not config.share_frozen and any(t.is_meta for t in model.parameters()):
+        raise option_error(
+            "distributed.share_frozen",
+            False,
+            "True while some weights are meta placeholders (the node's shared host copy fills them)",
+            "load every weight on this rank, or leave share_frozen=True.",
+        )
     if config.share_frozen:
         token = uuid.uuid4().hex[:16] if ctx.rank == 0 else None
         token = ctx.all_objects(token, "shared copy name exchange")[0]
@@ -530,6 +555,8 @@ def wrap_distributed(
         session.close()
         raise
     session.extensions.append(_DistributedExtension(ctx, shared, opt, pool))
+    if device.type == "cuda" and opts.plan is None and offloads_activations(session):
+        _measure_first_step(session, model, opt, opts.vram_budget_bytes, pool)
     setattr(model, _ATTR, session)
     session.record(
         "wrap",

@@ -37,7 +37,9 @@ __all__ = [
     "decide_placement",
     "device_share",
     "device_state_bytes",
+    "keep_activations_after_first_step",
     "keep_offloaded_activations",
+    "measured_room",
     "offloads_activations",
     "promote_to_device",
     "refine_after_first_step",
@@ -377,18 +379,7 @@ def refine_after_first_step(
         budget: the VRAM budget in bytes, or None (then only the device memory bounds it).
         keep_streamed: leave streamed blocks streaming (a plan given as ``plan=``).
     """
-    dev = session.device
-    torch.cuda.synchronize(dev)
-    peak_alloc = torch.cuda.max_memory_allocated(dev) - foreign
-    peak_reserved = torch.cuda.max_memory_reserved(dev) - foreign
-    used = max(peak_alloc, peak_reserved)  # this model's peak: what the device held for it
-    reserved = torch.cuda.memory_reserved(dev)
-    unreserved = torch.cuda.mem_get_info(dev)[0]
-    usable = unreserved + reserved - foreign
-    room_dev = unreserved - (torch.cuda.max_memory_reserved(dev) - reserved) - _headroom(usable)
-    room = room_dev
-    if budget is not None:
-        room = min(room, budget - _headroom(budget) - used)
+    peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
     streaming = None if keep_streamed else _streaming_of(session)
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
     chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
@@ -397,13 +388,12 @@ def refine_after_first_step(
     kept, kept_bytes = ([], 0) if keep_streamed else keep_offloaded_activations(session, room - total)
     host_left = sum(s.param.numel() for s in opt.host_slots())
     streamed_left = [] if _streaming_of(session) is None else _streaming_of(session).weights.streamed
-    headroom = _headroom(budget) if budget is not None else _headroom(usable)
     session.record(
         "placement",
         f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
-        + (f" of a {budget / 2**30:.2f} GiB budget" if budget is not None else "")
-        + f"; room {max(0.0, room) / 2**30:.2f} GiB after {headroom / 2**30:.2f} GiB headroom; moved the "
-        f"optimizer of {moved} tensors ({total / 2**30:.2f} GiB with gradients and workspace) to the device"
+        + _room_text(budget, room, headroom)
+        + f"; moved the optimizer of {moved} tensors ({total / 2**30:.2f} GiB with gradients and workspace) "
+        "to the device"
         + (
             f"; blocks {_ranges(unstreamed)} STOP STREAMING (their weights stay on the device)"
             if unstreamed
@@ -417,12 +407,7 @@ def refine_after_first_step(
         )
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)")
-        + (
-            f"; blocks {_ranges(kept)} KEEP their activations on the device ({kept_bytes / 2**30:.2f} GiB "
-            "measured; they were offloaded)"
-            if kept
-            else ""
-        ),
+        + _kept_text(kept, kept_bytes),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -433,6 +418,60 @@ def refine_after_first_step(
         host_params=host_left,
         activations_kept=kept,
         activations_kept_bytes=kept_bytes,
+    )
+
+
+def measured_room(dev: torch.device, foreign: int, budget: int | None) -> tuple[int, int, int, int]:
+    """The first step's measured peak and the room the next steps may add (see [Note: measured room]).
+
+    Returns:
+        ``(peak allocated, peak held = max(allocated, reserved), room, headroom)`` in bytes, this
+        model's only (``foreign`` bytes left out); the room may be negative.
+    """
+    torch.cuda.synchronize(dev)
+    peak_alloc = torch.cuda.max_memory_allocated(dev) - foreign
+    peak_reserved = torch.cuda.max_memory_reserved(dev) - foreign
+    used = max(peak_alloc, peak_reserved)  # this model's peak: what the device held for it
+    reserved = torch.cuda.memory_reserved(dev)
+    unreserved = torch.cuda.mem_get_info(dev)[0]
+    usable = unreserved + reserved - foreign
+    room = unreserved - (torch.cuda.max_memory_reserved(dev) - reserved) - _headroom(usable)
+    if budget is not None:
+        room = min(room, budget - _headroom(budget) - used)
+    return peak_alloc, used, room, _headroom(budget) if budget is not None else _headroom(usable)
+
+
+def keep_activations_after_first_step(session: Any, foreign: int, budget: int | None) -> None:
+    """After the first step under data parallel (the optimizer is sharded on the host whatever the room):
+    keep on the device the offloaded activations that fit the measured room (:func:`measured_room`)."""
+    peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
+    kept, kept_bytes = keep_offloaded_activations(session, room)
+    session.record(
+        "placement",
+        f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
+        + _room_text(budget, room, headroom)
+        + (_kept_text(kept, kept_bytes) if kept else "; every offloaded block keeps offloading"),
+        peak=peak_alloc,
+        peak_reserved=used,
+        room=room,
+        budget=budget,
+        activations_kept=kept,
+        activations_kept_bytes=kept_bytes,
+    )
+
+
+def _room_text(budget: int | None, room: int, headroom: int) -> str:
+    return (f" of a {budget / 2**30:.2f} GiB budget" if budget is not None else "") + (
+        f"; room {max(0.0, room) / 2**30:.2f} GiB after {headroom / 2**30:.2f} GiB headroom"
+    )
+
+
+def _kept_text(kept: list[int], kept_bytes: int) -> str:
+    if not kept:
+        return ""
+    return (
+        f"; blocks {_ranges(kept)} KEEP their activations on the device ({kept_bytes / 2**30:.2f} GiB "
+        "measured; they were offloaded)"
     )
 
 

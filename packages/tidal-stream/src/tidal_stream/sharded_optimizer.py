@@ -156,6 +156,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._micro = 0
         self._updated_last_step = True
         self._closed = False
+        self._after_first_update: Any = None  # set by wrap_distributed(): measure, then keep activations
         self._gen = torch.Generator().manual_seed(seed + ctx.rank)
         self._params: list[nn.Parameter] = []
         self._groups: list[dict] = []
@@ -347,6 +348,9 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             self._next = 0
             self.last_early_updates, self._early = len(self._early), set()
             self.last_update_s, self._update_s = self._update_s, 0.0
+        if self._after_first_update is not None:
+            callback, self._after_first_update = self._after_first_update, None
+            callback()
         return loss
 
     def _used(self) -> list[bool]:

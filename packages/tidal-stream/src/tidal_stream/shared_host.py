@@ -10,6 +10,14 @@ Accounting: the copy's bytes are counted once per machine (on local rank 0); :me
 reads the kernel's view of this process's mapping (``Rss``: resident pages it maps, ``Pss``: its
 proportional share), so the local ranks' ``Pss`` add up to the copy's resident size once.
 
+[Note: placeholders on the meta device] only local rank 0 needs the frozen weights in memory: the other
+local ranks may hold them on the meta device (e.g. a model built under ``torch.device("meta")`` with
+its trainable weights and buffers materialized). Their Parameters are replaced by host ones viewing the
+mapping (in every module that holds them), so a machine needs host RAM for one copy of the frozen weights
+however many GPUs it trains on — a 72B bf16 base (145 GB) on a 256 GiB machine. Local rank 0 points
+each parameter at the mapping as soon as it is copied there, so its private copy is freed tensor by
+tensor and its peak is one copy plus one tensor.
+
 [Note: frozen means read-only] every local rank reads the same pages: writing a shared frozen weight in
 place changes it on every rank of the machine. Frozen weights must be identical on every rank (they are
 not broadcast); each machine's local rank 0 fills its copy from its own model.
@@ -83,31 +91,68 @@ def page_runs(
     return used, free
 
 
+def _bind(owners: list[tuple[nn.Module, str]], t: torch.Tensor, view: torch.Tensor) -> None:
+    """Point the frozen parameter ``t`` at ``view``: its data (the Parameter object stays, its private
+    storage is freed), or, for a placeholder on the meta device, a new host Parameter in every holder."""
+    if not t.is_meta:
+        t.data = view
+        return
+    new = nn.Parameter(view, requires_grad=False)  # a meta tensor's data cannot be replaced by a host one
+    for mod, name in owners:
+        mod._parameters[name] = new
+
+
+def _check_layouts(every: list[tuple[int, int, list, int]]) -> None:
+    """Every rank shares the same frozen tensors (shapes, dtypes, order); local rank 0 holds them for real."""
+    from tidal_stream.distributed import DistributedError
+
+    first = every[0][2]
+    for rank, (node, local, layout, meta) in enumerate(every):
+        if layout != first:
+            raise DistributedError(
+                f"shared host copy: rank {rank} holds {len(layout)} frozen host tensors, rank 0 {len(first)} "
+                "(or shapes / dtypes differ); every rank must hold the same frozen weights. Fix: load the "
+                "model identically on every rank (or share_frozen=False)."
+            )
+        if local == 0 and meta:
+            raise DistributedError(
+                f"shared host copy: local rank 0 of node {node} (rank {rank}) holds {meta} frozen tensors on "
+                "the meta device, but it fills the node's copy. Fix: load the frozen weights on local rank 0 "
+                "(the other local ranks may keep them on the meta device)."
+            )
+
+
 class SharedHostCopy:
     """Frozen host tensors of a model placed in one shared mapping per machine.
 
     Build with :meth:`share_frozen` (collective: every rank of the process group calls it).
 
     Args:
-        entries: ``(module, name, tensor)`` of the frozen parameters to share.
+        entries: ``(holders, tensor)`` of the frozen parameters to share: every ``(module, name)`` that
+            holds the tensor (a tied weight has several), and the tensor (on the host, or on the meta
+            device on a local rank other than 0).
         ctx: the rank's ``DPContext`` (local rank, barriers).
         shm_dir: tmpfs folder of the backing file.
         token: a name part identical on every rank (made by rank 0).
     """
 
     def __init__(
-        self, entries: list[tuple[nn.Module, str, torch.Tensor]], ctx: Any, shm_dir: str, token: str
+        self,
+        entries: list[tuple[list[tuple[nn.Module, str]], torch.Tensor]],
+        ctx: Any,
+        shm_dir: str,
+        token: str,
     ):
         self.ctx = ctx
         offsets, total = [], 0
-        for _, _, t in entries:
+        for _, t in entries:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         total = -(-total // _PAGE) * _PAGE  # whole pages: every page of the mapping lies inside the file
         self.nbytes = total
         self.tensors = len(entries)
         self.offsets = offsets  # byte offset of each entry, ascending
-        self.sizes = [t.numel() * t.element_size() for _, _, t in entries]
+        self.sizes = [t.numel() * t.element_size() for _, t in entries]
         self.released_bytes = 0  # pages given back by settle(): no local rank reads them from the host
         self._pinned: list[torch.Tensor] = []  # page runs this rank registered (settle); unpinned by release
         self.path = os.path.join(shm_dir, f"tidal-{token}-node{ctx.node}")
@@ -117,17 +162,15 @@ class SharedHostCopy:
                 os.posix_fallocate(f.fileno(), 0, total)
             buf = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)  # [total] bytes
             with torch.no_grad():
-                for (_, _, t), off in zip(entries, offsets):
-                    self._view(buf, off, t).copy_(t.detach())
+                for (owners, t), off in zip(entries, offsets):
+                    view = self._view(buf, off, t)
+                    view.copy_(t.detach())
+                    _bind(owners, t, view)  # the private copy goes now: the peak is one copy + one tensor
         ctx.barrier("shared host copy: local rank 0 filled it")
         if ctx.local_rank != 0:
             buf = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)  # [total] bytes
-        with torch.no_grad():
-            for (mod, name, t), off in zip(entries, offsets):
-                view = self._view(buf, off, t)
-                param = mod._parameters[name]
-                assert param is not None and param is t
-                param.data = view  # the Parameter object stays; its private storage is freed
+            for (owners, t), off in zip(entries, offsets):
+                _bind(owners, t, self._view(buf, off, t))
         self._buf: torch.Tensor | None = buf
         ctx.barrier("shared host copy: every local rank mapped it")
         if ctx.local_rank == 0:
@@ -151,30 +194,27 @@ class SharedHostCopy:
             token: a name part identical on every rank.
             record: the decision log's ``record(kind, message, **data)``.
         """
-        entries, seen = [], set()
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        tensors: dict[int, torch.Tensor] = {}
         for mod in model.modules():
             for name, p in mod._parameters.items():
-                if p is None or p.requires_grad or p.device.type != "cpu" or id(p) in seen:
+                if p is None or p.requires_grad or p.device.type not in ("cpu", "meta"):
                     continue
                 if not p.is_contiguous():
                     continue  # views of the byte buffer are contiguous; keep such a tensor private
-                seen.add(id(p))
-                entries.append((mod, name, p))
-        local = sum(p.numel() * p.element_size() for _, _, p in entries)
-        every = ctx.all_objects(local, "shared host copy size exchange")
-        if not any(every):
+                owners.setdefault(id(p), []).append((mod, name))  # a tied weight: every holder
+                tensors[id(p)] = p
+        entries = [(owners[k], t) for k, t in tensors.items()]
+        layout = [(tuple(t.shape), str(t.dtype)) for _, t in entries]
+        meta = sum(t.is_meta for _, t in entries)
+        every = ctx.all_objects((ctx.node, ctx.local_rank, layout, meta), "shared host copy layout exchange")
+        _check_layouts(every)
+        if not layout:
             record(
                 "shared-host",
                 "shared host copy: no frozen weights in host memory on any rank: nothing shared",
             )
             return None
-        if len(set(every)) != 1:
-            from tidal_stream.distributed import DistributedError
-
-            raise DistributedError(
-                f"shared host copy: frozen host bytes differ between ranks {every}; every rank must hold the "
-                "same frozen weights. Fix: load the model identically on every rank (or share_frozen=False)."
-            )
         if not os.path.isdir(shm_dir):
             from tidal_stream.errors import option_error
 
@@ -183,9 +223,11 @@ class SharedHostCopy:
         record(
             "shared-host",
             f"shared host copy: {copy.tensors} frozen tensors, {copy.nbytes / 2**20:.1f} MiB, one copy for the "
-            f"{ctx.local_world} ranks of node {ctx.node} (counted on local rank 0)",
+            f"{ctx.local_world} ranks of node {ctx.node} (counted on local rank 0)"
+            + (f"; {meta} placeholders on the meta device filled from it" if meta else ""),
             bytes=copy.nbytes,
             local_world=ctx.local_world,
+            meta_placeholders=meta,
         )
         return copy
 

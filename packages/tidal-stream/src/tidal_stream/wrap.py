@@ -52,7 +52,8 @@ def _device_of(model: nn.Module, opts: WrapOptions) -> torch.device:
     if opts.device is not None:
         dev = torch.device(opts.device)
     else:
-        first = next(model.parameters(), None)
+        # meta placeholders (frozen weights another rank's shared host copy fills) say nothing of it
+        first = next((p for p in model.parameters() if not p.is_meta), None)
         dev = first.device if first is not None else torch.device("cpu")
     if dev.type not in ("cpu", "cuda"):
         raise option_error("device", opts.device, '"cpu" or "cuda[:N]"')

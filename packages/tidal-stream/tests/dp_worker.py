@@ -259,6 +259,10 @@ def _shared_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.
     from tidal_stream.distributed import DistributedError
 
     out: dict = {}
+    if "hosts" in cfg:  # simulated machines: the host name is all tidal reads to group ranks by node
+        import socket
+
+        socket.gethostname = lambda: cfg["hosts"][rank]
     model = LoraLike()
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     if rank in cfg.get("meta_frozen_ranks", ()):

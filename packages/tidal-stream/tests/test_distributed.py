@@ -322,6 +322,28 @@ def test_one_rank_is_bitwise_torch_adamw(one_rank_group: None) -> None:
         opt.step()
 
 
+def test_one_shared_copy_per_machine_across_two_machines(tmp_path: pathlib.Path) -> None:
+    """3 ranks on two simulated machines, interleaved (hosts a, b, a): each machine gets its own copy,
+    filled by its local rank 0 (ranks 0 and 1) and counted there once; rank 2 (local rank 1 on machine a)
+    holds meta placeholders and trains on its machine's copy: bit for bit as 3 ranks of one machine."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = launch("shared", 3, tmp_path / "one", limit_s=60.0, timeout=45.0)
+    res = launch("shared", 3, tmp_path / "two", limit_s=60.0, hosts=["a", "b", "a"], meta_frozen_ranks=[2])
+    _ok(one)
+    _ok(res)
+    two = _load(tmp_path / "two", 3)[0]
+    for k, v in _load(tmp_path / "one", 3)[0].items():
+        assert_bitwise_equal(two[k], v)
+    paths = [r["shared"]["path"] for r in res]
+    assert paths[0] == paths[2] != paths[1]  # one mapping per machine
+    nbytes = res[0]["shared"]["bytes"]
+    assert [r["shared"]["counted_bytes"] for r in res] == [nbytes, nbytes, 0]
+    assert [r["shared"]["local_world"] for r in res] == [2, 1, 2]
+    assert all(r["frozen_same"] and r["frozen_devices"] == ["cpu"] for r in res)
+    assert any("placeholders on the meta device filled from it" in m for m in res[2]["events"])
+
+
 def test_meta_placeholders_on_local_rank_0_are_refused(tmp_path: pathlib.Path) -> None:
     """Local rank 0 fills the node's copy: frozen weights on the meta device there are a clear error on
     every rank (the layout exchange is collective), not a crash inside the copy."""

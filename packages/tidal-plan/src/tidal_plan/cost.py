@@ -67,11 +67,13 @@ HOST_ADAMW_PROFILED_BYTES = 28
 # Bytes per parameter of the profile's whole host update (``host_update_params_per_s``): bf16 gradient
 # widened (2 + 4), fused AdamW on fp32 master, gradient and moments (28), new weight narrowed (4 + 2).
 HOST_UPDATE_PROFILED_BYTES = 40
-# The host update with bf16 moments against the fp32 path, per parameter: the GPU machine's host (16
-# threads, 468 M parameters, benchmarks/stream/host_adamw.py) took 10.6 s against 0.280 s, when its
-# stochastic rounding drew all the noise from one generator on one thread. The noise is now drawn in
-# parallel pieces (1.6x faster on a 2-core host): to be measured there again, so this share is pessimistic.
-HOST_BF16_MOMENTS_RATE_SHARE = 0.280 / 10.6
+# The host update with bf16 moments against the fp32 path, per parameter (benchmarks/stream/host_adamw.py,
+# ``bf16_moments_share``). With the noise drawn by generators the GPU machine's host (16 threads) took
+# 10.6 s against 0.280 s over 468 M parameters (0.026). The noise is now read from a table at drawn
+# offsets, and the bf16 path is bound by memory traffic like the fp32 one: on a 2-core host it took
+# 133 ms against 64.8 ms over 55 M parameters (0.49; the old noise gave 0.11 there). Not yet measured on
+# the GPU machine's host.
+HOST_BF16_MOMENTS_RATE_SHARE = 0.0648 / 0.133
 # fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
 # specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
 FP32_MATMUL_SHARE = 1 / 15
@@ -379,7 +381,7 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
 def host_update_rate(ctx: Context, moment: str) -> float:
     """Parameters per second the host updates under ``moment`` moments: the profile's whole-update rate
     (or, without one, its fp32 fused AdamW rate) scaled by the bytes each update moves; bf16 moments at
-    the measured share of the fp32 path (their stochastic rounding bounds them, not memory traffic)."""
+    the measured share of the fp32 path (:data:`HOST_BF16_MOMENTS_RATE_SHARE`)."""
     prof = ctx.profile
     if moment == "bf16":
         return host_update_rate(ctx, "fp32") * HOST_BF16_MOMENTS_RATE_SHARE

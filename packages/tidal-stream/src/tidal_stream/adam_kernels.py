@@ -15,7 +15,6 @@ scale, update, narrow of the new weight) in one call, optionally in one pass of 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,19 @@ _ALIGN = 64
 # on the GPU machine's host (280 ms over 468 M parameters, against 299 ms in blocks of 4 M elements).
 _LEAN_BLOCK = 1 << 26
 _tls = threading.local()  # per-thread fp32 gradient scratch of one block
-# elements of rounding noise one generator draws (see _rounding_noise); part of the noise's definition
-_NOISE_PIECE = 1 << 18
-_POOL: ThreadPoolExecutor | None = None
+# [Note: host rounding noise] stochastic rounding on the host reads its noise from a fixed table at an
+# offset drawn per chunk from the caller's generator, instead of drawing fresh numbers: a generator on
+# the CPU draws ~90 M numbers a second, which made the bf16-moment host update 16x slower than the fp32
+# one. The table is _NOISE_PERIOD // 65536 independent permutations of 0..65535 (every 16-bit value
+# equally often), followed by its first _CHUNK entries again so any offset below _NOISE_PERIOD has a
+# contiguous window. For a given element the offset is uniform and drawn anew at every call, so its
+# noise is uniform over the 16 low bits and independent from call to call (rounding is unbiased); m and
+# v draw separate offsets. The table's seed is part of the noise's definition: the bits depend on the
+# caller's generator alone, in every process and at any thread count.
+_NOISE_PERIOD = 1 << 23
+_NOISE_SEED = 0x5EED
+_NOISE_TABLE: torch.Tensor | None = None
+_NOISE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -137,50 +146,51 @@ def _fused(
     )
 
 
-def _noise_pool() -> ThreadPoolExecutor:
-    """Threads that draw host rounding noise in parallel (torch's CPU random kernels run on one thread)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="tidal-noise"
-        )
-    return _POOL
-
-
-def _rounding_noise(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """[n] int32 uniform in [0, 2**16).
-
-    On the CPU above two pieces of ``_NOISE_PIECE`` elements, ``generator`` draws one seed per piece and
-    each piece is drawn by its own generator on a pool thread: the bits depend on ``generator`` and ``n``
-    alone (not on the thread count), and the draws scale with the cores — one generator draws ~90 M numbers
-    a second, which bounded the host update with bf16 moments on the GPU machine's host.
-    """
-    if device.type != "cpu" or n < 2 * _NOISE_PIECE:
-        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=generator)
-    pieces = -(-n // _NOISE_PIECE)
-    seeds = torch.randint(0, 1 << 62, (pieces,), dtype=torch.int64, generator=generator).tolist()
-    out = _scratch(n, "noise", torch.int32)  # [n]
-
-    def draw(j: int) -> None:
-        g = torch.Generator().manual_seed(seeds[j])
-        piece = out[j * _NOISE_PIECE : (j + 1) * _NOISE_PIECE]
-        torch.randint(0, 1 << 16, piece.shape, dtype=torch.int32, generator=g, out=piece)
-
-    list(_noise_pool().map(draw, range(pieces)))  # list(): wait for every piece, re-raise a failure
-    return out
+def _noise_table() -> torch.Tensor:
+    """[_NOISE_PERIOD + _CHUNK] int32 noise table of [Note: host rounding noise], built once per process."""
+    global _NOISE_TABLE
+    with _NOISE_LOCK:
+        if _NOISE_TABLE is None:
+            g = torch.Generator().manual_seed(_NOISE_SEED)
+            perms = [
+                torch.randperm(1 << 16, generator=g, dtype=torch.int32) for _ in range(_NOISE_PERIOD >> 16)
+            ]
+            _NOISE_TABLE = torch.cat(perms + perms[: -(-_CHUNK >> 16)])[: _NOISE_PERIOD + _CHUNK]
+        return _NOISE_TABLE
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None) -> None:
     """Write fp32 ``src`` into bf16 ``dst`` with stochastic rounding (unbiased in expectation).
 
-    Adds uniform noise below bf16's last mantissa bit to the fp32 bit pattern, then truncates.
+    Adds uniform noise below bf16's last mantissa bit to the fp32 bit pattern, then truncates; infinities
+    and NaNs are kept. On the CPU the noise is read from a fixed table (see [Note: host rounding noise]);
+    elsewhere it is drawn from ``generator``. Both tensors are contiguous and of the same shape.
     """
-    bits = src.view(torch.int32)  # [N] fp32 bit patterns
-    rounded = _rounding_noise(bits.numel(), src.device, generator).view(bits.shape)
-    rounded.add_(bits).bitwise_and_(-65536)  # clear the 16 low bits: exactly representable in bf16
-    # non-finite values (inf/nan) must not be perturbed into other bit patterns
-    torch.where(torch.isfinite(src), rounded, bits, out=rounded)
-    dst.copy_(rounded.view(torch.float32))
+    bits = src.view(-1).view(torch.int32)  # [N] fp32 bit patterns
+    if src.device.type != "cpu":
+        rounded = torch.randint(
+            0, 1 << 16, bits.shape, dtype=torch.int32, device=src.device, generator=generator
+        )
+        rounded.add_(bits).bitwise_and_(-65536)  # clear the 16 low bits: exactly representable in bf16
+        # non-finite values (inf/nan) must not be perturbed into other bit patterns
+        torch.where(torch.isfinite(src.view(-1)), rounded, bits, out=rounded)
+        dst.copy_(rounded.view(torch.float32).view(dst.shape))
+        return
+    out = dst.view(-1)  # [N] bf16
+    table = _noise_table()
+    pieces = bits.split(_CHUNK)
+    offsets = torch.randint(0, _NOISE_PERIOD, (len(pieces),), generator=generator).tolist()
+    for j, (piece, off) in enumerate(zip(pieces, offsets)):
+        n = piece.numel()
+        rounded = torch.add(piece, table[off : off + n], out=_scratch(n, "rounded", torch.int32))  # [n]
+        rounded.bitwise_and_(-65536)  # clear the 16 low bits: exactly representable in bf16
+        out[j * _CHUNK : j * _CHUNK + n].copy_(rounded.view(torch.float32))
+    # an infinity keeps its bits (the noise sits below the kept 16), but a NaN's payload can carry into its
+    # exponent or sign: one reduction finds whether any non-finite value is there, and only then they are
+    # written again by plain rounding (which keeps NaN and inf)
+    if not bool(torch.isfinite(src.sum())):
+        bad = ~torch.isfinite(src.view(-1))
+        out[bad] = src.view(-1)[bad].to(out.dtype)
 
 
 def default_block(t: torch.Tensor, undo: bool = False) -> int:

@@ -353,6 +353,26 @@ def test_meta_placeholders_on_local_rank_0_are_refused(tmp_path: pathlib.Path) -
         assert "local rank 0 of node 0 (rank 0) holds" in r["message"] and "Fix:" in r["message"]
 
 
+def test_a_full_tmpfs_is_refused_up_front(
+    one_rank_group: None, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room is checked before the copy starts (the file is sparse, so a full tmpfs would otherwise show as
+    SIGBUS on a write): the error gives both sizes and the ways out."""
+    import types
+
+    from tidal_stream.distributed import DistributedError, dp_context
+    from tidal_stream.shared_host import SharedHostCopy
+
+    model = worker.LoraLike()
+    ctx = dp_context(DistributedConfig(timeout=10.0), torch.device("cpu"))
+    monkeypatch.setattr("os.statvfs", lambda path: types.SimpleNamespace(f_bavail=16, f_frsize=4096))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(DistributedError, match=r"has 0.00 GiB free, the copy needs .* Fix: enlarge"):
+        SharedHostCopy.share_frozen(model, ctx, str(shm), "t", lambda k, m, **d: None)
+    assert not list(shm.iterdir())  # nothing was created
+
+
 def test_after_first_update_runs_once(one_rank_group: None) -> None:
     """The one-shot callback wrap_distributed() arms for the measured refinement runs after the first
     update only (not after a micro-step of accumulation, not again)."""

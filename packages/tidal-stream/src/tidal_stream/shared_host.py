@@ -102,6 +102,20 @@ def _bind(owners: list[tuple[nn.Module, str]], t: torch.Tensor, view: torch.Tens
         mod._parameters[name] = new
 
 
+def _check_room(shm_dir: str, total: int) -> None:
+    """The tmpfs at ``shm_dir`` has room for ``total`` bytes, or a :class:`DistributedError` says how much."""
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if free < total:
+        from tidal_stream.distributed import DistributedError
+
+        raise DistributedError(
+            f"shared host copy: {shm_dir} has {free / 2**30:.2f} GiB free, the copy needs {total / 2**30:.2f} "
+            "GiB. Fix: enlarge that tmpfs (mount -o remount,size=...), set DistributedConfig.shm_dir to a "
+            "larger one, or share_frozen=False (one private copy per rank)."
+        )
+
+
 def _check_layouts(every: list[tuple[int, int, list, int]]) -> None:
     """Every rank shares the same frozen tensors (shapes, dtypes, order); local rank 0 holds them for real."""
     from tidal_stream.distributed import DistributedError
@@ -157,9 +171,11 @@ class SharedHostCopy:
         self._pinned: list[torch.Tensor] = []  # page runs this rank registered (settle); unpinned by release
         self.path = os.path.join(shm_dir, f"tidal-{token}-node{ctx.node}")
         if ctx.local_rank == 0:
+            _check_room(shm_dir, total)  # a full tmpfs fails here, not later with SIGBUS on a write
             with open(self.path, "wb") as f:
-                # reserve the pages now: a full tmpfs fails here (ENOSPC), not later with SIGBUS on a write
-                os.posix_fallocate(f.fileno(), 0, total)
+                # sparse: pages are allocated as the copy writes them while the private copies are freed one
+                # by one (reserving them all first would need room for both copies at once)
+                f.truncate(total)
             buf = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)  # [total] bytes
             with torch.no_grad():
                 for (owners, t), off in zip(entries, offsets):

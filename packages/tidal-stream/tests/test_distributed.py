@@ -497,11 +497,46 @@ def test_plan_gets_the_host_ram_share(monkeypatch: pytest.MonkeyPatch) -> None:
         device=torch.device("cuda", 0), plan=None, record=lambda k, m, **d: events.append((k, m, d))
     )
     ctx = types.SimpleNamespace(local_rank=1, local_world=4)
-    opts = types.SimpleNamespace(plan=None, blocks=None, vram_budget="8GiB", batch_tokens=None)
+    opts = types.SimpleNamespace(
+        plan=None, blocks=None, vram_budget="8GiB", batch_tokens=None, param_offload="auto"
+    )
     distributed._plan_share(session, worker.make_model(), opts, ctx, 1 * gib)
     assert seen["profile_host_ram"] == 17 * gib  # the shared GiB once + a quarter of the other 64
     assert seen["config"].host_ram == 17 * gib and seen["config"].offload is True
     assert session.plan is not None and events[0][2]["host_ram_share"] == 17 * gib
+    # a full fine-tune: the sharded optimizer cannot update streamed weights, so the plan streams none
+    assert seen["config"].param_offload is False
+    assert any("trained weights stay on the GPU" in m for _, m, _ in events)
+
+
+def test_full_fine_tune_that_cannot_stay_resident_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Data parallel full fine-tuning under a budget too small for its resident trained weights: refused
+    before anything moves, with the numbers and the ways out that apply under data parallel."""
+    import types
+
+    import tidal_plan
+    from tidal_plan import HardwareProfile, InfeasiblePlan
+    from tidal_stream import distributed
+
+    with torch.device("meta"):  # 8 trained blocks of 128 MiB (bf16): shapes only, no memory
+        model = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192, bias=False) for _ in range(8))).bfloat16()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = 3 * weights // 4  # a quarter of the blocks would have to stream
+    profile = HardwareProfile.synthetic(vram_budget_bytes=budget)
+    monkeypatch.setattr(tidal_plan, "profile_hardware", lambda device, **kw: profile)
+    monkeypatch.setattr(distributed, "_host_available", lambda: 64 * 2**30)
+    session = types.SimpleNamespace(device=torch.device("cuda", 0), plan=None, record=lambda k, m, **d: None)
+    ctx = types.SimpleNamespace(local_rank=0, local_world=2)
+    opts = types.SimpleNamespace(
+        plan=None, blocks=None, vram_budget=budget, batch_tokens=None, param_offload="auto"
+    )
+    with pytest.raises(
+        InfeasiblePlan, match=r"Under data parallel a full fine-tune keeps its .* raise vram_budget"
+    ):
+        distributed._plan_share(session, model, opts, ctx, 0)
+    assert session.plan is None
 
 
 def test_no_block_stack_means_no_plan(monkeypatch: pytest.MonkeyPatch) -> None:

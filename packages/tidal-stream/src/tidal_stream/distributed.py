@@ -361,7 +361,7 @@ def _plan_share(
     )
     if session.device.type != "cuda" or opts.plan is not None:
         return
-    from tidal_plan import PlanConfigError
+    from tidal_plan import InfeasiblePlan, PlanConfigError
 
     blocks = opts.blocks
     try:
@@ -397,7 +397,29 @@ def _plan_share(
         )
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
-    session.plan = plan(c, profile, PlanConfig(**cfg))
+    trained = sum(b.trainable_bytes for b in c.blocks)
+    full = trained > 0.5 * sum(b.trainable_bytes + b.frozen_bytes for b in c.blocks)  # weights.install's rule
+    if full and opts.param_offload == "auto":
+        # the sharded optimizer updates trained weights on the device: a plan that streams them cannot run
+        cfg["param_offload"] = False
+        session.record(
+            "plan",
+            "data parallel full fine-tuning: trained weights stay on the GPU (the sharded host optimizer "
+            "gathers them there), so the plan keeps every block resident",
+        )
+    try:
+        session.plan = plan(c, profile, PlanConfig(**cfg))
+    except InfeasiblePlan as e:
+        if not full:
+            raise
+        raise InfeasiblePlan(
+            e.resource,
+            e.needed_bytes,
+            e.available_bytes,
+            f"{e}. Under data parallel a full fine-tune keeps its {trained / 2**30:.1f} GiB of trained block "
+            "weights on each GPU (they cannot stream)",
+            ("raise vram_budget", "train LoRA adapters", "train on one GPU without data parallel"),
+        ) from e
     session.record("plan", session.plan.explain())
 
 

@@ -129,6 +129,89 @@ def test_out_of_order_updates_still_exact():
 
 
 @pytest.mark.parametrize("device", devices())
+def test_decode_reuses_cached_gather_views_and_stays_exact(device, monkeypatch):
+    # two-page chunks: gathers span several runs; the views of a gather are built once per page range
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * 2 * 2 * 3 * 4 * 8 * 4)
+    cache = PagedKVCache(6, 24, resident_layers=2, page_tokens=4, prefetch_slots=2)
+    g = torch.Generator().manual_seed(4)
+    ref: dict[int, torch.Tensor] = {}
+
+    def step(n: int) -> None:  # n new tokens through every layer, checked against torch.cat
+        for layer in range(6):
+            kv = torch.randn(2, 2, 3, n, 8, generator=g).to(device)  # [2, B, H, n, D]
+            ref[layer] = kv if layer not in ref else torch.cat([ref[layer], kv], dim=3)
+            keys, values = cache.update(layer, kv[0], kv[1])
+            assert torch.equal(keys, ref[layer][0]) and torch.equal(values, ref[layer][1])
+
+    def plans():
+        return {(id(s), layer): runs for s in cache._slots for layer, (_, runs) in s.plans.items()}
+
+    step(13)  # 3 full pages + 1 token in the tail
+    assert any(len(runs) == 2 for runs in plans().values())  # pages 0-1 and page 2: two runs per gather
+    step(1)  # 14 tokens: the same 3 pages are gathered
+    mid = plans()
+    step(1)  # 15 tokens: the same 3 pages again
+    after = plans()
+    assert any(after[key] is mid[key] for key in mid if key in after), "decode must reuse the gather views"
+    for n in [1, 1, 1, 2, 1, 12, 1, 1]:  # page fills, then past max_tokens (slots reallocated)
+        step(n)
+    assert cache.stats.reallocations == 1
+    cache.reset()
+    ref.clear()
+    for n in [6, 1, 1, 1, 1]:  # a new sequence in the same buffers
+        step(n)
+
+
+def test_decode_step_issues_one_record_and_one_wait_per_stream_per_offloaded_layer(monkeypatch):
+    # the CUDA stream/event protocol, simulated on the CPU with stand-in streams and events
+    calls: list[tuple[str, str]] = []
+
+    def record(stream, event=None):
+        calls.append(("record", stream))
+        return event if event is not None else object()
+
+    def wait(stream, event):
+        if stream is not None and event is not None:
+            calls.append(("wait", stream))
+
+    monkeypatch.setattr(paged_mod, "record", record)
+    monkeypatch.setattr(paged_mod, "wait", wait)
+    monkeypatch.setattr(paged_mod, "on", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(paged_mod, "synchronize", lambda *streams: None)
+    monkeypatch.setattr(PagedKVCache, "_compute", lambda self: "compute")
+    materialize = PagedKVCache._materialize
+
+    def fake_cuda(self, k):
+        materialize(self, k)
+        self._cuda, self._h2d, self._d2h = True, "h2d", "d2h"
+
+    monkeypatch.setattr(PagedKVCache, "_materialize", fake_cuda)
+    cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, prefetch_slots=2)
+    k0 = torch.randn(2, 2, 70, 16)
+    for layer in range(6):
+        cache.update(layer, k0, k0)  # one page per offloaded layer flushed on the "D2H stream"
+    assert ("record", "d2h") in calls
+    one = torch.randn(2, 2, 1, 16)
+    for layer in range(6):  # token 71: the first gathers after the flush also wait for it (once)
+        cache.update(layer, one, one)
+    calls.clear()
+    steps = 4  # tokens 72..75: no page fills
+    for _ in range(steps):
+        for layer in range(6):
+            cache.update(layer, one, one)
+    n = steps * len(cache.offloaded_layers)
+    assert sorted(calls) == sorted(
+        [("record", "compute")] * n
+        + [("record", "h2d")] * n
+        + [("wait", "compute")] * n
+        + [("wait", "h2d")] * n
+    )
+    cache._cuda, cache._h2d, cache._d2h = False, None, None  # back to the real CPU cache
+    k, _ = cache.gather(cache.offloaded_layers[0])
+    assert torch.equal(k, torch.cat([k0, one.expand(2, 2, 5, 16)], dim=2))
+
+
+@pytest.mark.parametrize("device", devices())
 def test_fp8_storage_is_close(device):
     cache = PagedKVCache(2, 32, resident_layers=0, page_tokens=4, storage="fp8")
     g = torch.Generator().manual_seed(0)

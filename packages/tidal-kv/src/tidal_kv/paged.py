@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
+from tidal_kv.slots import Slot
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
 from tidal_kv.streams import on, profiled, record, synchronize, wait
@@ -26,29 +26,6 @@ from tidal_kv.streams import on, profiled, record, synchronize, wait
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 << 20  # target bytes of one host chunk / staging copy (K and V of several pages)
-
-
-@dataclass
-class _Slot:
-    """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid."""
-
-    kv: torch.Tensor  # [2, B, H, cap, D]: K and V in one buffer, so one copy moves both
-    owner: int | None = None
-    pages: int = 0
-    ready: Any = None  # event: the H2D copy into this slot finished
-    free_after: Any = None  # event: the compute stream finished reading the previous owner's K/V
-    prefetched_pages: int = 0
-    # long-lived events re-recorded each step (see `streams.record`): the decode loop creates none
-    ready_ev: Any = None
-    free_ev: Any = None
-
-    @property
-    def k(self) -> torch.Tensor:  # [B, H, cap, D], a view of kv
-        return self.kv[0]
-
-    @property
-    def v(self) -> torch.Tensor:  # [B, H, cap, D], a view of kv
-        return self.kv[1]
 
 
 class PagedKVCache:
@@ -167,16 +144,26 @@ class PagedKVCache:
             KVConfigError: ``k``/``v`` do not match the cache (shape, dtype, device) or ``layer`` is out of range.
         """
         with profiled("tidal::kv_update"):
-            self._check_layer(layer)
-            self._check_kv(k, v)
-            if self._shape is None:
-                self._materialize(k)
-            self._release_current()
+            # the decode loop's case in one cheap test; anything else goes through the explaining checks
+            if not (
+                type(layer) is int
+                and 0 <= layer < self.config.num_layers
+                and self._shape is not None
+                and same_layout(k, v, self._shape, self._dtype, self._device)
+            ):
+                self._check_layer(layer)
+                self._check_kv(k, v)
+                if self._shape is None:
+                    self._materialize(k)
+            offloaded = layer in self._offloaded_set
+            # the compute stream, looked up once per update and only when an event is recorded or waited on
+            compute = self._compute() if self._cuda and (offloaded or self._current is not None) else None
+            self._release_current(compute)
             new_len = self._lengths[layer] + k.shape[2]
             if new_len > self._capacity:
                 self._grow(new_len)
-            if layer in self._offloaded_set:
-                out = self._update_offloaded(layer, k, v)
+            if offloaded:
+                out = self._update_offloaded(layer, k, v, compute)
             else:
                 out = self._update_resident(layer, k, v)
             self._lengths[layer] = new_len
@@ -303,16 +290,19 @@ class PagedKVCache:
         self._pool: HostPagePool | None = None
         self._res_buf: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tails: dict[int, torch.Tensor] = {}  # [2, B, H, P, D] per offloaded layer
+        self._tail_kv: dict[int, tuple[torch.Tensor, ...]] = {}  # its K and V views, [B, H, P, D] each
         self._host: dict[int, list[PageChunk]] = {}
-        self._slots: list[_Slot] = []
-        self._pending: dict[int, _Slot] = {}
-        self._current: _Slot | None = None
+        self._slots: list[Slot] = []
+        self._pending: dict[int, Slot] = {}
+        self._current: Slot | None = None
         self._flush_done: dict[int, Any] = {}  # layer -> event: its last D2H page copy finished
         self._d2h_free: Any = None  # event: the D2H staging chunk may be overwritten
         self._h2d_stage: PageChunk | None = None
         self._d2h_stage: PageChunk | None = None
         self._offloaded_set: frozenset[int] = frozenset()
+        self._ahead: list[tuple[int, ...]] = []  # per layer: the offloaded layers its update prefetches
         self._h2d = self._d2h = None
+        self._cuda = False
 
     def _bytes(self) -> tuple[int, int, int]:
         """(page bytes in storage format, device bytes per token per layer K+V, element size)."""
@@ -354,10 +344,15 @@ class PagedKVCache:
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
             self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            self._tail_kv[layer] = self._tails[layer].unbind(0)
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
-        self._slots = [_Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
+        self._slots = [Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
+        self._ahead = [self._prefetch_order(layer) for layer in range(c.num_layers)]
+        self._page_bytes = (
+            self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
+        ) // self._chunk_pages
         self._h2d_stage = device_chunk(self._chunk_layout, self._device)
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
@@ -407,7 +402,7 @@ class PagedKVCache:
             self._res_buf[layer] = (nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            self._slots = [_Slot(self._empty_slot(new_cap)) for _ in self._slots]
+            self._slots = [Slot(self._empty_slot(new_cap)) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -422,12 +417,12 @@ class PagedKVCache:
         # why: in-flight copies still read or write the pages and slots
         synchronize(getattr(self, "_h2d", None), getattr(self, "_d2h", None))
 
-    def _release_current(self) -> None:
+    def _release_current(self, compute: Any) -> None:
         """Hand back the slot returned by the previous update: its layer's attention is queued by now."""
-        if self._current is not None:
+        cur = self._current
+        if cur is not None:
             # why: a refill of this slot must wait until the compute stream finished reading it
-            cur = self._current
-            cur.free_after = cur.free_ev = record(self._compute(), cur.free_ev)
+            cur.free_after = cur.free_ev = record(compute, cur.free_ev)
             self._current = None
 
     # ------------------------------------------------------------------ resident layers
@@ -436,42 +431,47 @@ class PagedKVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kb, vb = self._res_buf[layer]  # [B, H, cap, D]
-        s, e = self._lengths[layer], self._lengths[layer] + k.shape[2]
-        kb[:, :, s:e].copy_(k)
-        vb[:, :, s:e].copy_(v)
-        return kb[:, :, :e], vb[:, :, :e]
+        s = self._lengths[layer]
+        e = s + k.shape[2]
+        # slice assignment is the same copy_ as kb[:, :, s:e].copy_(k), without a Python-level view object
+        kb[:, :, s:e] = k
+        vb[:, :, s:e] = v
+        return kb.narrow(2, 0, e), vb.narrow(2, 0, e)  # narrow: the view kb[:, :, :e], cheaper to make
 
     # ------------------------------------------------------------------ offloaded layers
 
     def _update_offloaded(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, compute: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.config.page_tokens
-        s, e = self._lengths[layer], self._lengths[layer] + k.shape[2]
+        s = self._lengths[layer]
+        e = s + k.shape[2]
         full_old, full_new = s // p, e // p
         slot = self._pending.pop(layer, None)
-        if slot is not None and slot.prefetched_pages:
-            self.stats.prefetched += 1
         if slot is None:
             slot = self._pick_slot(layer)
+        elif slot.prefetched_pages:
+            self.stats.prefetched += 1
         if slot.pages < full_old:
             # nothing (or not enough) was prefetched: copy the missing pages in now
             self.stats.gathered_on_demand += 1
             self._gather(layer, slot, full_old)
         self._current = slot
-        compute = self._compute()
-        wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
-        slot.ready = None
+        if slot.ready is not None:
+            wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
+            slot.ready = None
         tail = self._tails[layer]  # [2, B, H, P, D]
         t_old = s - full_old * p
         if full_new == full_old:
             # the decode case: the new tokens stay in the partial page; append them to the tail, then one
             # copy puts the whole partial page (K and V) behind the gathered pages
-            tail[0, :, :, t_old : e - full_old * p].copy_(k)
-            tail[1, :, :, t_old : e - full_old * p].copy_(v)
-            slot.kv[:, :, :, full_old * p : e].copy_(tail[:, :, :, : e - full_old * p])
+            t_new = e - full_old * p
+            tk, tv = self._tail_kv[layer]  # [B, H, P, D] views of tail[0], tail[1]
+            tk[:, :, t_old:t_new] = k
+            tv[:, :, t_old:t_new] = v
+            slot.kv[:, :, :, full_old * p : e] = tail.narrow(3, 0, t_new)  # [2, B, H, t_new, D]
             slot.pages = full_new
-            return slot.k[:, :, :e], slot.v[:, :, :e]
+            return slot.k.narrow(2, 0, e), slot.v.narrow(2, 0, e)
         if t_old:
             slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
             slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
@@ -486,27 +486,32 @@ class PagedKVCache:
         slot.pages = full_new
         return slot.k[:, :, :e], slot.v[:, :, :e]
 
-    def _pick_slot(self, layer: int) -> _Slot:
+    def _pick_slot(self, layer: int) -> Slot:
         """A slot for ``layer``: one not promised to a pending prefetch, preferring one that already holds it."""
-        busy = {id(s) for s in self._pending.values()}
-        if self._current is not None:
-            busy.add(id(self._current))
-        free = [s for s in self._slots if id(s) not in busy]
+        busy = [*self._pending.values(), self._current]  # `in` compares slots by identity (eq=False)
+        free = [s for s in self._slots if s not in busy]
         if not free:
             # updates out of stack order: take back the oldest prefetch (its slot keeps its owner's pages)
             oldest = next(iter(self._pending))
             free = [self._pending.pop(oldest)]
-        slot = next((s for s in free if s.owner == layer), None)
+        slot = None
+        for s in free:
+            if s.owner == layer:
+                slot = s
+                break
         if slot is None:
-            # least useful first: a slot no one owns, else the one holding the fewest pages
-            slot = min(free, key=lambda s: (s.owner is not None, s.pages))
+            # least useful first: a slot no one owns, else the one holding the fewest pages (first such one)
+            slot = free[0]
+            for s in free[1:]:
+                if (s.owner is not None, s.pages) < (slot.owner is not None, slot.pages):
+                    slot = s
             slot.owner, slot.pages = layer, 0
         else:
             self.stats.pages_reused += slot.pages
         slot.prefetched_pages = 0
         return slot
 
-    def _gather(self, layer: int, slot: _Slot, pages: int) -> int:
+    def _gather(self, layer: int, slot: Slot, pages: int) -> int:
         """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""
         first = slot.pages
         if pages <= first:
@@ -514,34 +519,25 @@ class PagedKVCache:
         # why: on the H2D stream, so the copy runs while the compute stream works on earlier layers
         with profiled("tidal::kv_gather"), on(self._h2d):
             wait(self._h2d, slot.free_after)  # why: the compute stream may still read the previous owner
-            wait(self._h2d, self._flush_done.get(layer))  # why: these host pages may still be in flight D2H
-            b, h, d = self._shape
-            p, cp = self.config.page_tokens, self._chunk_pages
-            stage = self._h2d_stage
-            page = first
-            while page < pages:
-                chunk, i0 = divmod(page, cp)
-                m = min(cp - i0, pages - page)
-                src = self._host[layer][chunk]
-                stage.data[:m].copy_(src.data[i0 : i0 + m], non_blocking=True)
-                if self._fp8:
-                    stage.scale[:m].copy_(src.scale[i0 : i0 + m], non_blocking=True)
-                    kv = dequantize_fp8(stage.data[:m], stage.scale[:m], self._dtype)  # [m, 2, B, H, P, D]
+            # why: these host pages may still be in flight D2H; once waited for, stream order covers every
+            # later gather of this layer, so the event is dropped (one wait per flush, not per step)
+            wait(self._h2d, self._flush_done.pop(layer, None))
+            for run in slot.gather_runs(layer, first, pages, self._host[layer], self._h2d_stage):
+                run.stage.copy_(run.src, non_blocking=True)  # [m, 2, B, H, P, D]
+                if run.stage_perm is None:  # fp8 pages: dequantize on the device, then permute
+                    run.stage_scale.copy_(run.src_scale, non_blocking=True)
+                    kv = dequantize_fp8(run.stage, run.stage_scale, self._dtype)  # [m, 2, B, H, P, D]
+                    run.dst.copy_(kv.permute(1, 2, 3, 0, 4, 5))  # into [2, B, H, m, P, D]
                 else:
-                    kv = stage.data[:m]  # [m, 2, B, H, P, D]
-                self.stats.h2d_bytes += m * (src.nbytes // cp)
-                # the slot range as [2, B, H, m, P, D]; the pages (K and V) permute into it in one copy
-                slot.kv[:, :, :, page * p : (page + m) * p].view(2, b, h, m, p, d).copy_(
-                    kv.permute(1, 2, 3, 0, 4, 5)
-                )
-                page += m
+                    run.dst.copy_(run.stage_perm)
+                self.stats.h2d_bytes += run.m * self._page_bytes
             # why: the compute stream waits on this before reading the slot
             slot.ready = slot.ready_ev = record(self._h2d, slot.ready_ev)
         slot.pages = pages
         self.stats.pages_gathered += pages - first
         return pages - first
 
-    def _flush(self, layer: int, slot: _Slot, first: int, last: int) -> None:
+    def _flush(self, layer: int, slot: Slot, first: int, last: int) -> None:
         """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""
         with profiled("tidal::kv_flush"):
             self._ensure_host_pages(layer, last)
@@ -574,24 +570,27 @@ class PagedKVCache:
                     # why: the staging chunk is reusable, and these host pages readable, once this copy finished
                     self._d2h_free = record(self._d2h)
                 self._flush_done[layer] = self._d2h_free
-                self.stats.d2h_bytes += m * (dst.nbytes // cp)
+                self.stats.d2h_bytes += m * self._page_bytes
                 self.stats.pages_flushed += m
                 page += m
 
+    def _prefetch_order(self, layer: int) -> tuple[int, ...]:
+        """The offloaded layers an update of ``layer`` prefetches: the next ones after it, cyclically (the next
+        step's first), as many as the slots not kept by this update (its own slot stays in use)."""
+        live = 1 if layer in self._offloaded_set else 0
+        off, n_off = self._offloaded, len(self._offloaded)
+        start = next((i for i, o in enumerate(off) if o > layer), 0)  # the first offloaded one after it
+        return tuple(off[(start + i) % n_off] for i in range(min(len(self._slots) - live, n_off - live)))
+
     def _prefetch_ahead(self, layer: int) -> None:
-        """Queue the gathers of the next offloaded layers after ``layer`` (cyclically: the next step's first)."""
+        """Queue the gathers of the next offloaded layers after ``layer`` (see :meth:`_prefetch_order`)."""
         if not self._offloaded:
             return
-        live = 1 if layer in self._offloaded_set else 0  # the slot this update returned stays in use
-        depth = len(self._slots) - live
-        n_off = len(self._offloaded)
-        # the first offloaded layer after `layer`, in cyclic order
-        start = next((i for i, o in enumerate(self._offloaded) if o > layer), 0)
+        pending, p = self._pending, self.config.page_tokens
         with profiled("tidal::kv_prefetch"):
-            for i in range(min(depth, n_off - live)):
-                nxt = self._offloaded[(start + i) % n_off]
-                if nxt == layer or nxt in self._pending:
+            for nxt in self._ahead[layer]:
+                if nxt in pending:
                     continue
                 slot = self._pick_slot(nxt)
-                slot.prefetched_pages = self._gather(nxt, slot, self._lengths[nxt] // self.config.page_tokens)
-                self._pending[nxt] = slot
+                slot.prefetched_pages = self._gather(nxt, slot, self._lengths[nxt] // p)
+                pending[nxt] = slot

@@ -1,0 +1,105 @@
+"""Device gather slots of :class:`~tidal_kv.PagedKVCache` and the cached views of their page gathers.
+
+A decode step gathers every offloaded layer's full pages ``[0, pages)`` again, with the same tensors as the
+step before until a page fills. Building the dozen views of such a gather (host chunk range, staging range,
+slot range, permutation) costs more host time than issuing its two copies, so each slot keeps the views of
+its last gather per layer (:class:`GatherRun`) and rebuilds them only when the page range changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from tidal_kv.storage import PageChunk
+
+
+class GatherRun(NamedTuple):
+    """One contiguous run of ``m`` pages of a gather (inside one host chunk): the views its copies use."""
+
+    m: int
+    """Pages in the run."""
+    stage: torch.Tensor
+    """``[m, 2, B, H, P, D]`` staging range the host pages land in (storage dtype)."""
+    src: torch.Tensor
+    """``[m, 2, B, H, P, D]`` host page range (storage dtype)."""
+    stage_scale: torch.Tensor | None
+    """``[m, 2, B, H, P, 1]`` staging scales (fp8 storage), else None."""
+    src_scale: torch.Tensor | None
+    """``[m, 2, B, H, P, 1]`` host scales (fp8 storage), else None."""
+    dst: torch.Tensor
+    """``[2, B, H, m, P, D]`` the slot's token range of these pages."""
+    stage_perm: torch.Tensor | None
+    """``stage`` permuted to ``dst``'s order (native storage: the copy source), else None."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid.
+
+    Slots compare by identity (``eq=False``): the cache tests membership of slots in small lists.
+    """
+
+    kv: torch.Tensor  # [2, B, H, cap, D]: K and V in one buffer, so one copy moves both
+    owner: int | None = None
+    pages: int = 0
+    ready: Any = None  # event: the H2D copy into this slot finished
+    free_after: Any = None  # event: the compute stream finished reading the previous owner's K/V
+    prefetched_pages: int = 0
+    # long-lived events re-recorded each step (see `streams.record`): the decode loop creates none
+    ready_ev: Any = None
+    free_ev: Any = None
+    # views made once (indexing kv per update costs host time on every decode step)
+    k: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[0]
+    v: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[1]
+    # layer -> ((first, pages), runs) of the last gather of that layer into this slot
+    plans: dict[int, tuple[tuple[int, int], list[GatherRun]]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.k, self.v = self.kv.unbind(0)
+
+    def gather_runs(
+        self, layer: int, first: int, pages: int, chunks: list[PageChunk], stage: PageChunk
+    ) -> list[GatherRun]:
+        """The runs that gather ``layer``'s pages ``[first, pages)`` from ``chunks`` via ``stage`` into this slot.
+
+        Args:
+            layer: The offloaded layer (the cache key, with the page range).
+            first: First page to gather.
+            pages: One past the last page.
+            chunks: The layer's host chunks, ``[C, 2, B, H, P, D]`` each (only ever appended to).
+            stage: The device staging chunk (same layout).
+
+        Returns:
+            The runs in page order; cached, so the same range returns the same views without rebuilding them.
+        """
+        key = (first, pages)
+        hit = self.plans.get(layer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cp, _, b, h, p, d = stage.data.shape
+        runs = []
+        page = first
+        while page < pages:
+            chunk, i0 = divmod(page, cp)
+            m = min(cp - i0, pages - page)
+            src = chunks[chunk]
+            st = stage.data[:m]  # [m, 2, B, H, P, D]
+            fp8 = stage.scale is not None
+            runs.append(
+                GatherRun(
+                    m=m,
+                    stage=st,
+                    src=src.data[i0 : i0 + m],
+                    stage_scale=stage.scale[:m] if fp8 else None,
+                    src_scale=src.scale[i0 : i0 + m] if fp8 else None,
+                    # the slot range as [2, B, H, m, P, D]; the pages (K and V) permute into it in one copy
+                    dst=self.kv[:, :, :, page * p : (page + m) * p].view(2, b, h, m, p, d),
+                    stage_perm=None if fp8 else st.permute(1, 2, 3, 0, 4, 5),
+                )
+            )
+            page += m
+        self.plans[layer] = (key, runs)
+        return runs

@@ -556,7 +556,9 @@ def test_no_block_stack_means_no_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 8).requires_grad_(False), torch.nn.ReLU(), torch.nn.Linear(8, 2)
     )
-    opts = types.SimpleNamespace(plan=None, blocks=None, vram_budget=None, batch_tokens=None)
+    opts = types.SimpleNamespace(
+        plan=None, blocks=None, vram_budget=None, batch_tokens=None, param_offload="auto"
+    )
     distributed._plan_share(session, model, opts, ctx, 0)
     assert session.plan is None
     assert events[-1][0] == "plan" and "no block stack" in events[-1][1]

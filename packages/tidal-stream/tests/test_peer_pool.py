@@ -446,7 +446,9 @@ def test_plan_is_made_with_the_pool_reserve_taken_off_the_budget(monkeypatch: py
         device=torch.device("cuda", 0), plan=None, record=lambda k, m, **d: events.append((k, m, d))
     )
     ctx = types.SimpleNamespace(local_rank=0, local_world=2)
-    opts = types.SimpleNamespace(plan=None, blocks=None, vram_budget=None, batch_tokens=None)
+    opts = types.SimpleNamespace(
+        plan=None, blocks=None, vram_budget=None, batch_tokens=None, param_offload="auto"
+    )
     spec = importlib.util.spec_from_file_location(
         "tidal_pool_tinygpt", pathlib.Path(__file__).parent / "tinygpt.py"
     )

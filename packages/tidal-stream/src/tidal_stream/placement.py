@@ -428,7 +428,7 @@ def measured_room(dev: torch.device, foreign: int, budget: int | None) -> tuple[
         ``(peak allocated, peak held = max(allocated, reserved), room, headroom)`` in bytes, this
         model's only (``foreign`` bytes left out); the room may be negative.
     """
-    torch.cuda.synchronize(dev)
+    torch.cuda.synchronize(dev)  # why: the step's kernels are done before its peaks are read
     peak_alloc = torch.cuda.max_memory_allocated(dev) - foreign
     peak_reserved = torch.cuda.max_memory_reserved(dev) - foreign
     used = max(peak_alloc, peak_reserved)  # this model's peak: what the device held for it

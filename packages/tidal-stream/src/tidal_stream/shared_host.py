@@ -283,15 +283,16 @@ class SharedHostCopy:
         used, free = page_runs(spans, self.nbytes)
         # every local rank has moved its resident weights off the mapping before any page is removed
         self.ctx.barrier("shared host copy: resident weights left the mapping")
-        if self.ctx.local_rank == 0:
+        self.released_bytes = sum(hi - lo for lo, hi in free)
+        if self.ctx.local_rank == 0:  # it removes the pages for every mapper; the copy is counted here
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            for lo, hi in free:
+            for k, (lo, hi) in enumerate(free):
                 if libc.madvise(base + lo, hi - lo, _MADV_REMOVE) != 0:
                     err = ctypes.get_errno()
                     log.warning("shared host copy: madvise(MADV_REMOVE) failed: %s", os.strerror(err))
+                    self.released_bytes = sum(b - a for a, b in free[:k])  # what was really given back
                     break
-        self.released_bytes = sum(hi - lo for lo, hi in free)
         kept = sum(hi - lo for lo, hi in used)
         record(
             "shared-host",

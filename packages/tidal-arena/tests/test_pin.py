@@ -76,6 +76,17 @@ def test_pin_view_needs_one_byte_range():
             fn(t.t(), view=True)
 
 
+def _page_locked(t: torch.Tensor) -> bool:
+    """What the CUDA driver says of ``t``'s first byte: host memory registered with it (not torch's
+    ``is_pinned()``, which looks at the storage's first byte)."""
+    cupy = pytest.importorskip("cupy")
+    attrs = cupy.cuda.runtime.pointerGetAttributes(t.data_ptr())
+    kind = getattr(
+        attrs, "type", getattr(attrs, "memoryType", None)
+    )  # the field's name differs by CuPy version
+    return kind == 1  # cudaMemoryTypeHost (0 is unregistered, pageable memory)
+
+
 @pytest.mark.gpu
 def test_gpu_pin_views_of_one_storage():
     """Two disjoint page runs of one storage registered apart (the gap between them is not touched); a copy
@@ -83,12 +94,15 @@ def test_gpu_pin_views_of_one_storage():
     page = 4096
     buf = torch.arange(16 * page, dtype=torch.uint8)  # [16 pages] of bytes, pageable
     a, b = buf[0 : 4 * page], buf[8 * page : 12 * page]
+    gap = buf[5 * page : 6 * page]
     pin_(a, view=True)
     pin_(b, view=True)
-    assert a.is_pinned() and b.is_pinned() and not buf[5 * page : 6 * page].is_pinned()
+    assert is_registered(a, view=True) and is_registered(b, view=True) and not is_registered(gap, view=True)
+    assert _page_locked(a) and _page_locked(b) and not _page_locked(gap)
     got = [x.view(torch.int32).to("cuda", non_blocking=True) for x in (a, b)]
     torch.cuda.synchronize()  # why: the non-blocking copies are done before the results are read
     assert all(torch.equal(g.cpu(), x.view(torch.int32)) for g, x in zip(got, (a, b)))
     unpin_(a, view=True)
+    assert not _page_locked(a) and _page_locked(b)
     unpin_(b, view=True)
-    assert not a.is_pinned() and not b.is_pinned()
+    assert not _page_locked(b) and not is_registered(b, view=True)

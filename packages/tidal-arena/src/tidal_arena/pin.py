@@ -57,6 +57,8 @@ def pin_(tensor: torch.Tensor, *, view: bool = False) -> torch.Tensor:
     With ``view=True`` only the bytes of ``tensor`` itself are registered (it must be contiguous): several
     disjoint views of one large storage (e.g. the parts of a shared mapping still read by the GPU) can be
     page-locked without faulting in, or locking, the parts between them. Views must not share a page.
+    torch's ``is_pinned()`` looks at the storage's first byte, not the view's, so for such views ask
+    :func:`is_registered` (``view=True``) instead.
 
     Args:
         tensor: a CPU tensor (any dtype, shape; its storage, or with ``view=True`` its bytes, registered).
@@ -132,7 +134,8 @@ def unpin_(tensor: torch.Tensor, *, view: bool = False) -> torch.Tensor:
     return tensor
 
 
-def is_registered(tensor: torch.Tensor) -> bool:
-    """True when ``tensor``'s storage is currently page-locked by :func:`pin_`."""
+def is_registered(tensor: torch.Tensor, *, view: bool = False) -> bool:
+    """True when ``tensor``'s storage (with ``view=True``: its own byte range) is page-locked by :func:`pin_`."""
+    ptr = tensor.data_ptr() if view else tensor.untyped_storage().data_ptr()
     with _LOCK:
-        return tensor.untyped_storage().data_ptr() in _REGISTERED
+        return ptr in _REGISTERED

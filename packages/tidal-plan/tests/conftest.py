@@ -26,15 +26,20 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x))  # [..., out]
 
 
-def add_lora(model: nn.Module, r: int = 16) -> nn.Module:
-    """Freeze every parameter, then wrap each linear inside the block stack with a trainable adapter."""
+def add_lora(model: nn.Module, r: int = 16, adapter_dtype: torch.dtype | None = None) -> nn.Module:
+    """Freeze every parameter, then wrap each linear inside the block stack with a trainable adapter (in
+    ``adapter_dtype``: PEFT's default casts adapters to fp32; default None keeps the base's dtype)."""
     model.requires_grad_(False)
     layers = model.model.layers
     for layer in layers:
         for name, mod in list(layer.named_modules()):
             if isinstance(mod, nn.Linear):
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                setattr(parent, name.rsplit(".", 1)[-1], LoRALinear(mod, r))
+                lora = LoRALinear(mod, r)
+                if adapter_dtype is not None:
+                    lora.lora_A.to(adapter_dtype)
+                    lora.lora_B.to(adapter_dtype)
+                setattr(parent, name.rsplit(".", 1)[-1], lora)
     return model
 
 
@@ -63,6 +68,7 @@ def decoder_shape(
 
 
 QWEN_14B = decoder_shape(5120, 13824, 48, 40, 8, 152064)
+QWEN_72B = decoder_shape(8192, 29568, 80, 64, 8, 152064)
 LLAMA3_8B = decoder_shape(4096, 14336, 32, 32, 8, 128256)
 QWEN_1_5B = decoder_shape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True)
 # benchmarks/stream/full_finetune.py's model: the same shape with an untied head (1.777 B parameters)
@@ -76,6 +82,10 @@ def _census_of(name: str):
 
     if name == "qwen14b_lora":
         return census(add_lora(meta_causal_lm("qwen2", **QWEN_14B)))
+    if name == "qwen14b_lora_fp32":
+        return census(add_lora(meta_causal_lm("qwen2", **QWEN_14B), adapter_dtype=torch.float32))
+    if name == "qwen72b_lora_fp32":
+        return census(add_lora(meta_causal_lm("qwen2", **QWEN_72B), adapter_dtype=torch.float32))
     if name == "llama8b":
         return census(meta_causal_lm("llama", **LLAMA3_8B))
     if name == "qwen1_5b_untied":
@@ -86,6 +96,18 @@ def _census_of(name: str):
 @pytest.fixture
 def qwen14b_lora_census():
     return _census_of("qwen14b_lora")
+
+
+@pytest.fixture
+def qwen14b_lora_fp32_census():
+    """Qwen2.5-14B shape with fp32 adapters on its bf16 base (as PEFT builds them)."""
+    return _census_of("qwen14b_lora_fp32")
+
+
+@pytest.fixture
+def qwen72b_lora_fp32_census():
+    """Qwen2.5-72B shape with fp32 adapters on its bf16 base (as PEFT builds them)."""
+    return _census_of("qwen72b_lora_fp32")
 
 
 @pytest.fixture

@@ -233,7 +233,8 @@ def test_fp32_weights_multiply_without_tensor_cores(qwen1_5b_census):
     prof = _h200("80GiB", 128 * 10**9)
     cfg = PlanConfig(recompute=False, offload=False)
     bf16 = plan(qwen1_5b_census, prof, cfg).prediction.parts["matmul"]
-    fp32 = plan(dataclasses.replace(qwen1_5b_census, param_dtype_bytes=4), prof, cfg).prediction.parts
+    fp32_census = dataclasses.replace(qwen1_5b_census, param_dtype_bytes=4, compute_dtype_bytes=4)
+    fp32 = plan(fp32_census, prof, cfg).prediction.parts
     # compute-bound GEMMs at 1/15 of the bf16 rate; the kernel overheads stay the same
     assert 10 * bf16 < fp32["matmul"] < 15 * bf16
 
@@ -439,3 +440,40 @@ def test_compare_prediction_against_a_measured_step(qwen14b_lora_census):
     for bad in (0, -1.0, float("nan"), float("inf"), "1s", True):
         with pytest.raises(PlanConfigError, match="measured_step_s="):
             compare_prediction(p, bad)
+
+
+def test_offloading_past_host_ram_is_traded_for_recompute(qwen14b_lora_census):
+    """On a slower GPU (60 TFLOP/s) every block's activations hide their copies behind compute, so
+    offloading all of them is the fastest plan, and it needs 42.5 GiB of host RAM at 4096 tokens. With
+    40 GiB of RAM the planner gives up offloads for recompute until the plan fits, instead of refusing."""
+    slow = dict(vram_budget_bytes=24 * GiB, matmul_tflops=60.0)
+    roomy = plan(qwen14b_lora_census, HardwareProfile.synthetic(host_ram_bytes=400 * GiB, **slow))
+    assert all(b.activations == "offload" for b in roomy.blocks)
+    p = plan(qwen14b_lora_census, HardwareProfile.synthetic(host_ram_bytes=40 * GiB, **slow))
+    _show("Qwen2.5-14B LoRA, 24 GiB, 40 GiB RAM, 60 TFLOP/s", p)
+    _check_invariants(p, 24 * GiB, 40 * GiB)
+    assert any(b.activations == "recompute" for b in p.blocks)
+    assert p.prediction.step_s >= roomy.prediction.step_s
+
+
+def test_lora_fp32_adapters_on_a_bf16_base_plan_bf16_matmuls(qwen14b_lora_census, qwen14b_lora_fp32_census):
+    """PEFT's fp32 adapters make the trained dtype fp32, but the base's matmuls still run in bf16 on
+    tensor cores: the predicted compute is that of the bf16 model, not 15 times it."""
+    c = qwen14b_lora_fp32_census
+    assert (c.param_dtype_bytes, c.matmul_dtype_bytes) == (4, 2)
+    assert qwen14b_lora_census.matmul_dtype_bytes == 2
+    prof = _h200("80GiB", 128 * 10**9)
+    fp32_adapters = plan(c, prof, PlanConfig(recompute=False)).prediction
+    bf16_adapters = plan(qwen14b_lora_census, prof, PlanConfig(recompute=False)).prediction
+    assert fp32_adapters.parts["matmul"] == pytest.approx(bf16_adapters.parts["matmul"], rel=0.02)
+
+
+def test_lora72b_fp32_adapters_at_80gib_plans_within_a_rank_share(qwen72b_lora_fp32_census):
+    """Qwen2.5-72B LoRA at 80 GiB per GPU with one rank's share of a 256 GiB machine (two ranks, one
+    shared host copy): the plan streams part of the base and fits the share."""
+    host = 135 * GiB
+    p = plan(qwen72b_lora_fp32_census, _h200("80GiB", host), PlanConfig(offload=True))
+    _show("Qwen2.5-72B LoRA, fp32 adapters, 80 GiB, 135 GiB RAM", p)
+    _check_invariants(p, 80 * GiB, host)
+    assert 0 < len(p.streamed_blocks) < 80
+    assert p.prediction.compute_s < 10.0  # bf16 tensor-core matmuls: seconds, not tens of seconds

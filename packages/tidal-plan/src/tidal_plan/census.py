@@ -155,6 +155,10 @@ class ModelCensus:
     """Every parameter's qualified name (tied aliases too) -> block index, or None outside the stack."""
     param_dtype_bytes: int = 2
     """Element size of the (most common) trainable parameter dtype, or of all parameters if none trains."""
+    compute_dtype_bytes: int | None = None
+    """Element size of the most common parameter dtype of all (frozen ones too): the dtype most matmuls
+    run in. It differs from ``param_dtype_bytes`` under LoRA, whose fp32 adapters (PEFT's default) train
+    on a bf16 base. Default None: ``param_dtype_bytes``."""
     activation_source: str = "meta-trace"
     """How activation bytes were found: ``"meta-trace"``, ``"measured"``, ``"override"`` or ``"heuristic"``."""
     notes: tuple[str, ...] = ()
@@ -173,6 +177,11 @@ class ModelCensus:
             self.outside_activation_bytes_per_position,
             self.outside_activation_bytes_per_sequence_position,
         ).at(tokens, seq_len)
+
+    @property
+    def matmul_dtype_bytes(self) -> int:
+        """Element size the bulk of the matmuls run in (``compute_dtype_bytes``, else ``param_dtype_bytes``)."""
+        return self.compute_dtype_bytes or self.param_dtype_bytes
 
     @property
     def trainable_bytes(self) -> int:
@@ -485,6 +494,9 @@ def census(
     for p in trainable:
         sizes[p.element_size()] = sizes.get(p.element_size(), 0) + p.numel()
     dtype_bytes = max(sizes, key=lambda k: sizes[k]) if sizes else 2
+    every: dict[int, int] = {}
+    for p in param_of.values():
+        every[p.element_size()] = every.get(p.element_size(), 0) + p.numel()
     result = ModelCensus(
         stack_name=stack_name,
         block_type=type(stack[0]).__name__,
@@ -506,6 +518,7 @@ def census(
         tied=tied,
         param_to_block=param_to_block,
         param_dtype_bytes=dtype_bytes,
+        compute_dtype_bytes=max(every, key=lambda k: every[k]) if every else dtype_bytes,
         activation_source=source,
         notes=tuple(notes),
     )

@@ -257,14 +257,14 @@ def _matmul_rate(ctx: Context) -> float:
     profile has no sustained figure), or its fp32 share for fp32 weights on a GPU."""
     prof = ctx.profile
     rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
-    fp32_on_gpu = ctx.census.param_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
+    fp32_on_gpu = ctx.census.matmul_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
     return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
 
 
 def _gemm_s(ctx: Context, m: int, k: int, n: int) -> float:
     """Roofline of one ``[m, k] x [k, n]`` matmul: FLOPs at the peak rate or its operands and result at
     HBM bandwidth, whichever is longer, plus the per-kernel overhead."""
-    prof, elem = ctx.profile, ctx.census.param_dtype_bytes
+    prof, elem = ctx.profile, ctx.census.matmul_dtype_bytes
     flops_s = 2 * m * k * n / _matmul_rate(ctx)
     bytes_s = elem * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9)
     return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S

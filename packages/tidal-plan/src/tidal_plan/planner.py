@@ -19,7 +19,7 @@ from tidal_plan.cost import (
 from tidal_plan.errors import InfeasiblePlan, PlanConfigError
 from tidal_plan.hardware import HardwareProfile
 from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan
-from tidal_plan.search import ACT_ORDER, Fixed, maximal, minimal, search
+from tidal_plan.search import ACT_ORDER, Fixed, fit_host, maximal, minimal, search
 from tidal_plan.units import GiB, MiB, format_bytes
 
 __all__ = ["plan"]
@@ -312,15 +312,20 @@ def _try(
         if smallest is None or ev_low.vram_total < smallest.vram_total:
             smallest = ev_low
         if ev_low.vram_total <= ctx.budget:
+            # fit host RAM first (a start past it trades speed for it while VRAM is free); the search
+            # then spends the VRAM left without taking host RAM past what is usable
+            low, ev_low = fit_host(ctx, low, ev_low, fx)
             results.append(search(ctx, low, fx, config.prefer))
     if not results:
         assert smallest is not None
         failures.append((fmt, moment, "vram", smallest))
         return None
-    s, ev = min(results, key=lambda r: r[1].objective)
-    if ev.host_total > ctx.host_usable:
-        failures.append((fmt, moment, "host_ram", ev))
+    # the fastest that fits host RAM; when none does, the one needing the least is reported
+    fitting = [r for r in results if r[1].host_total <= ctx.host_usable]
+    if not fitting:
+        failures.append((fmt, moment, "host_ram", min(results, key=lambda r: r[1].host_total)[1]))
         return None
+    s, ev = min(fitting, key=lambda r: r[1].objective)
     if moment == "bf16" and config.moment_dtype == "auto":
         notes.append("moments bf16: fp32 moments would not fit host RAM")
     return s, ev, notes

@@ -116,8 +116,10 @@ def _moves(s: State, fx: Fixed, census: ModelCensus) -> list[State]:
 
 def _worth(ctx: Context, ev: Evaluation, et: Evaluation, prefer: str) -> float | None:
     """Objective saved by moving from ``ev`` to ``et``, or None when ``et`` does not fit or, under
-    ``prefer="memory"``, saves too little for the VRAM it adds."""
-    if et.vram_total > ctx.budget:
+    ``prefer="memory"``, saves too little for the VRAM it adds. A move may not take host RAM past what is
+    usable (offloaded activations would otherwise buy speed with RAM the machine lacks); from a start
+    already past it, moves that do not add host bytes stay allowed."""
+    if et.vram_total > ctx.budget or et.host_total > max(ctx.host_usable, ev.host_total):
         return None
     gain = ev.objective - et.objective
     if gain <= 0:
@@ -214,6 +216,44 @@ def _tidy_activations(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tupl
     if et.vram_total <= ctx.budget and et.objective <= ev.objective * (1 + 1e-9):
         return t, et
     return s, ev
+
+
+def fit_host(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tuple[State, Evaluation]:
+    """Trade speed for host RAM until ``s`` fits it, one block at a time: of the changes that free host
+    bytes and fit the VRAM budget (the last offloaded block's activations recomputed or kept, one more
+    resident block), take the one freeing the most per second of objective it adds. Offloading every
+    block's activations is often the fastest start and can need more RAM than the machine has (a 72B at
+    4096 tokens: about 190 GiB). Returns the last state reached: still over when nothing frees more."""
+    while ev.host_total > ctx.host_usable:
+        best: tuple[float, State, Evaluation] | None = None
+        for t in _host_savers(s, fx, ctx.census):
+            et = evaluate(ctx, t)
+            freed = ev.host_total - et.host_total
+            if freed <= 0 or et.vram_total > ctx.budget:
+                continue
+            score = freed / max(et.objective - ev.objective, 1e-9)
+            if best is None or score > best[0]:
+                best = (score, t, et)
+        if best is None:
+            break
+        _, s, ev = best
+    return s, ev
+
+
+def _host_savers(s: State, fx: Fixed, census: ModelCensus) -> list[State]:
+    """Single-block changes that may free host RAM: the greedy's upgrades (a resident block's weights
+    leave the host's streamed set) and the last offloaded block in any other allowed activation mode
+    (the early blocks' copies hide best, [Note: overlap order])."""
+    out = _moves(s, fx, census)
+    offloaded = [i for i, a in enumerate(s.act) if a == "offload"]
+    if offloaded:
+        i = offloaded[-1]
+        for mode in fx.act_allowed[i]:
+            if mode != "offload":
+                t = s.copy()
+                t.act[i] = mode
+                out.append(t)
+    return out
 
 
 # Rounds of greedy search + per-block activation choice; each round only lowers the objective.

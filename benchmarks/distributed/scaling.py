@@ -221,6 +221,13 @@ def wrap_options(args: argparse.Namespace, device: torch.device, blocks: Any) ->
     return options
 
 
+def progress(rank: int, what: str) -> None:
+    """Rank 0's progress on stderr, as it happens: a run cut short by a time limit still shows how far
+    it got (a large scenario spends minutes building its model and host copy)."""
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] rank 0: {what}", file=sys.stderr, flush=True)
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank: wrap, warm up, time ``args.steps`` steps, write ``rank{R}.json`` into ``args.rank_dir``."""
     import torch.distributed as dist
@@ -248,9 +255,11 @@ def rank_main(args: argparse.Namespace) -> None:
     lr = 2e-4 if args.mode == "lora" else 2e-5
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     build_s = time.perf_counter() - t_build
+    progress(rank, f"model built in {build_s:.1f} s")
     t_wrap = time.perf_counter()
     model, opt = tidal_stream.wrap(model, opt, **wrap_options(args, device, blocks))
     wrap_s = time.perf_counter() - t_wrap
+    progress(rank, f"wrapped in {wrap_s:.1f} s")
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own rows of the global batch
     times, losses, samples = [], [], []
     ws0: dict = {}
@@ -267,6 +276,8 @@ def rank_main(args: argparse.Namespace) -> None:
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # why: the step's kernels are done before the clock stops
+        if step < 3 or (step + 1) % 25 == 0:  # the first steps, then every 25th (a soak runs hundreds)
+            progress(rank, f"step {step + 1}/{args.warmup + args.steps}: {time.perf_counter() - t0:.3f} s")
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))

@@ -70,10 +70,9 @@ HOST_UPDATE_PROFILED_BYTES = 40
 # The host update with bf16 moments against the fp32 path, per parameter (benchmarks/stream/host_adamw.py,
 # ``bf16_moments_share``). With the noise drawn by generators the GPU machine's host (16 threads) took
 # 10.6 s against 0.280 s over 468 M parameters (0.026). The noise is now read from a table at drawn
-# offsets, and the bf16 path is bound by memory traffic like the fp32 one: on a 2-core host it took
-# 133 ms against 64.8 ms over 55 M parameters (0.49; the old noise gave 0.11 there). Not yet measured on
-# the GPU machine's host.
-HOST_BF16_MOMENTS_RATE_SHARE = 0.0648 / 0.133
+# offsets, and the bf16 path is bound by memory traffic like the fp32 one: the two-GPU machine's host
+# (32 threads) took 210.1 ms against 149.0 ms over the same 468 M parameters (0.709; a 2-core host: 0.49).
+HOST_BF16_MOMENTS_RATE_SHARE = 0.1490 / 0.2101
 # fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
 # specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
 FP32_MATMUL_SHARE = 1 / 15

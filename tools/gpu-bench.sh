@@ -9,7 +9,8 @@
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh dp14b     # two GPUs: lora14b at 24 GiB, worlds 1 and 2, with the shared host copy; a 200-step soak (~6 min)
 #   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
-#   bash tools/gpu-bench.sh dp72b     # two GPUs: lora72b at 80 GiB per GPU, one host copy, peer pooling off then auto (~10 min)
+#   bash tools/gpu-bench.sh dp72b     # two GPUs: lora72b at 80 GiB per GPU, one host copy, peer pooling off (~6-9 min: rank 0 builds 135 GiB)
+#   bash tools/gpu-bench.sh dp72b-pool  # the same with peer pooling auto
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
@@ -65,9 +66,11 @@ case "${1:-}" in
   dp8b)
     step 330 dp8b.log -- python3 benchmarks/distributed/scaling.py --scenario full8b --vram-gb 80 --threads 16 --steps 3 --warmup 1 --worlds 1,2 --json "$out/dp-full8b.json"
     ;;
-  dp72b)
-    step 280 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling off --json "$out/dp-lora72b-off.json"
-    step 280 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling auto --json "$out/dp-lora72b-auto.json"
+  dp72b | dp72b-pool)
+    # one run per command: building the 135 GiB base and its shared host copy takes minutes by itself
+    pooling=off
+    [ "$1" = dp72b-pool ] && pooling=auto
+    step 560 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling "$pooling" --json "$out/dp-lora72b-$pooling.json"
     ;;
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"

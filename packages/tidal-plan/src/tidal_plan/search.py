@@ -219,11 +219,11 @@ def _tidy_activations(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tupl
 
 
 def fit_host(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tuple[State, Evaluation]:
-    """Trade speed for host RAM until ``s`` fits it, one block at a time: of the changes that free host
-    bytes and fit the VRAM budget (the last offloaded block's activations recomputed or kept, one more
-    resident block), take the one freeing the most per second of objective it adds. Offloading every
-    block's activations is often the fastest start and can need more RAM than the machine has (a 72B at
-    4096 tokens: about 190 GiB). Returns the last state reached: still over when nothing frees more."""
+    """Trade speed for host RAM until ``s`` fits it, one block at a time (:func:`_host_savers`), taking
+    the change that frees the most host bytes per second of objective it adds while the VRAM budget
+    holds. Offloading every block's activations is often the fastest start and can need more RAM than
+    the machine has (a 14B at 4096 tokens: 42.5 GiB). What VRAM is left is the search's to spend
+    afterwards. Returns the last state reached: still over when nothing frees more."""
     while ev.host_total > ctx.host_usable:
         best: tuple[float, State, Evaluation] | None = None
         for t in _host_savers(s, fx, ctx.census):
@@ -241,19 +241,18 @@ def fit_host(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tuple[State, 
 
 
 def _host_savers(s: State, fx: Fixed, census: ModelCensus) -> list[State]:
-    """Single-block changes that may free host RAM: the greedy's upgrades (a resident block's weights
-    leave the host's streamed set) and the last offloaded block in any other allowed activation mode
-    (the early blocks' copies hide best, [Note: overlap order])."""
-    out = _moves(s, fx, census)
+    """Single-block changes that free host RAM without spending the VRAM a later one needs: the last
+    offloaded block's activations recomputed (kept only where recompute is not allowed; the early
+    blocks' copies hide best, [Note: overlap order]); with no offload left, the greedy's upgrades (one
+    more resident block takes its weights out of the host's streamed set)."""
     offloaded = [i for i, a in enumerate(s.act) if a == "offload"]
-    if offloaded:
-        i = offloaded[-1]
-        for mode in fx.act_allowed[i]:
-            if mode != "offload":
-                t = s.copy()
-                t.act[i] = mode
-                out.append(t)
-    return out
+    if not offloaded:
+        return _moves(s, fx, census)
+    i = offloaded[-1]
+    allowed = fx.act_allowed[i]
+    t = s.copy()
+    t.act[i] = "recompute" if "recompute" in allowed else allowed[-1]
+    return [t] if t.act[i] != "offload" else []
 
 
 # Rounds of greedy search + per-block activation choice; each round only lowers the objective.

@@ -151,12 +151,14 @@ def test_parity_and_checkpoint_2_ranks(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.slow
-def test_parity_3_ranks_clip_and_accumulation(tmp_path: pathlib.Path) -> None:
-    """3 ranks, 2 micro-steps each, global-norm clipping: against the 6-way split reference."""
-    res = launch("parity", 3, tmp_path, steps=10, clip=0.5, accum=2)
+@pytest.mark.parametrize("world", [3, 4])
+def test_parity_ranks_clip_and_accumulation(tmp_path: pathlib.Path, world: int) -> None:
+    """3 ranks (uneven shards) or 4 (the next machine size), 2 micro-steps each, global-norm clipping:
+    against the reference split 2 * world ways."""
+    res = launch("parity", world, tmp_path, steps=10, clip=0.5, accum=2)
     _ok(res)
-    got = _load(tmp_path, 3)[0]
-    same, full = worker.reference(10, clip=0.5, split=6), worker.reference(10, clip=0.5)
+    got = _load(tmp_path, world)[0]
+    same, full = worker.reference(10, clip=0.5, split=2 * world), worker.reference(10, clip=0.5)
     assert _diff(got, same) < SAME_SPLIT, f"max |Δp| {_diff(got, same):.3g} after 10 steps"
     assert _diff(got, full) < _diff(same, full) + SAME_SPLIT
     assert all(r["early_updates"] == 0 for r in res)  # clipping: every update waits for the global norm

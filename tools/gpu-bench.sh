@@ -6,6 +6,7 @@
 #   bash tools/gpu-bench.sh stream    # full fine-tune 1.5B fp32 + bf16 moments, device/host AdamW, activation offload (~5 min)
 #   bash tools/gpu-bench.sh compare   # lora14b at 24 GiB, every engine side by side (needs .whl/, ~9 min)
 #   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
+#   bash tools/gpu-bench.sh kv-overlap  # profiled decode8b steps: do TidalCache's page copies overlap the decode? (~3 min)
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh dp14b     # two GPUs: lora14b at 24 GiB, worlds 1 and 2, with the shared host copy; a 200-step soak (~6 min)
 #   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
@@ -53,6 +54,10 @@ case "${1:-}" in
   kv)
     step 260 kv.log -- python3 benchmarks/kv/decode.py --out "$out/decode8b.jsonl"
     step 90 kv.log -- python3 benchmarks/quant/table.py --skip-decode
+    ;;
+  kv-overlap)
+    step 150 kv-overlap.log -- python3 benchmarks/kv/overlap.py --context 32768 --batch 1
+    step 150 kv-overlap.log -- python3 benchmarks/kv/overlap.py --context 4096 --batch 1 --engines tidal
     ;;
   dp)
     step 40 dp.log -- python3 benchmarks/distributed/peer_copy.py --json "$out/peer-copy.json"

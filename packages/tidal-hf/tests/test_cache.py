@@ -174,6 +174,20 @@ def test_refuses_sliding_window_and_hybrid_models():
         TidalCache(mistral, 64)
 
 
+def test_forward_with_grad_is_refused_clearly():
+    """A forward in grad mode (the model's weights require grad) is refused with the fix, not an autograd
+    error from inside the cache; the same forward under no_grad fills it."""
+    model = _model("llama", "cpu")
+    cache = TidalCache(model, 32, resident_layers=3, page_tokens=4)
+    kw = {_forward_kw(model): cache}
+    with pytest.raises(KVConfigError, match=r"require grad.*torch\.no_grad\(\)"):
+        model(input_ids=_prompt(1, 5, "cpu"), use_cache=True, **kw)
+    cache.reset()
+    with torch.no_grad():
+        model(input_ids=_prompt(1, 5, "cpu"), use_cache=True, **kw)
+    assert cache.get_seq_length() == 5
+
+
 def test_bad_arguments():
     cfg = transformers.LlamaConfig(**_COMMON)
     with pytest.raises(OptionError, match="model_or_config=str"):

@@ -380,3 +380,19 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch):
     for layer in range(6):
         k, v = cache.gather(layer)
         assert torch.equal(k, ref) and torch.equal(v, ref)
+
+
+def test_kv_that_require_grad_are_refused_in_grad_mode():
+    """The cache cannot carry autograd history: with grad mode on, K/V that require grad get a clear error
+    (not an autograd error from deep inside a slot write); under no_grad the same tensors are cached."""
+    cache = PagedKVCache(2, 16, resident_layers=1, page_tokens=4)
+    w = torch.randn(4, 4, requires_grad=True)
+    k = torch.randn(1, 2, 3, 4) @ w  # [1, 2, 3, 4], requires grad
+    for layer in (0, 1):  # resident and offloaded
+        with pytest.raises(KVConfigError, match=r"require grad.*torch\.no_grad\(\)"):
+            cache.update(layer, k, k)
+    with torch.no_grad():
+        for layer in (0, 1):
+            cache.update(layer, k, k)
+    cache.update(0, k.detach(), k.detach())
+    assert cache.seq_length(0) == 6 and torch.equal(cache.gather(1)[0], k.detach())

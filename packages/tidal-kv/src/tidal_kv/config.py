@@ -109,6 +109,18 @@ class KVConfig:
                 ) from e
         self._check_resident_spec()
 
+    @staticmethod
+    def check_no_grad(k: object, v: object) -> None:
+        """Refuse K/V that require grad while grad mode is on: the cache keeps K/V without their autograd
+        history (host pages cannot carry it), so gradients through cached tokens would be silently lost."""
+        if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (k, v)):
+            raise KVConfigError(
+                "k/v require grad and grad mode is on: the cache keeps K/V without their autograd history "
+                "(host pages cannot carry it), so gradients through cached tokens would be lost. Run "
+                "generation under torch.no_grad() or torch.inference_mode() (generate() does), or pass "
+                "k.detach(), v.detach()."
+            )
+
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise :class:`KVConfigError` when ``k``/``v`` are not ``[B, H, T_new, D]`` matching the fixed options."""
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:

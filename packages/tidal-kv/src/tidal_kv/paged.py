@@ -150,6 +150,7 @@ class PagedKVCache:
                 and 0 <= layer < self.config.num_layers
                 and self._shape is not None
                 and same_layout(k, v, self._shape, self._dtype, self._device)
+                and not (k.requires_grad or v.requires_grad)
             ):
                 self._check_layer(layer)
                 self._check_kv(k, v)
@@ -260,6 +261,7 @@ class PagedKVCache:
             )
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        KVConfig.check_no_grad(k, v)
         if self._shape is not None and same_layout(k, v, self._shape, self._dtype, self._device):
             return  # the common decode case; after the full checks below, a mismatch is a real one
         self.config.check_update(k, v)

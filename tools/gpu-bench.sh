@@ -4,6 +4,7 @@
 # under $OUT (or .gpu-results/):
 #
 #   bash tools/gpu-bench.sh stream    # full fine-tune 1.5B fp32 + bf16 moments, device/host AdamW, activation offload (~5 min)
+#   bash tools/gpu-bench.sh threads   # full1.5b fp32 with the host optimizer on all cores, one fewer, four fewer (~5 min)
 #   bash tools/gpu-bench.sh compare   # lora14b at 24 GiB, every engine side by side (needs .whl/, ~9 min)
 #   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
 #   bash tools/gpu-bench.sh kv-overlap  # profiled decode8b steps: do TidalCache's page copies overlap the decode? (~3 min)
@@ -47,6 +48,14 @@ case "${1:-}" in
     step 60 stream.log -- python3 benchmarks/stream/device_adamw.py --json "$out/device-adamw.json"
     step 90 stream.log -- python3 benchmarks/stream/host_adamw.py --sweep 524288,1048576,2097152,4194304 --hog 2 --json "$out/host-adamw.json"
     step 60 stream.log -- python3 benchmarks/stream/activation_offload.py
+    ;;
+  threads)
+    # does the host AdamW's thread pool starve the thread that dispatches backward? (measured backward
+    # 183 ms against a 104 ms compute floor with every core updating)
+    cores=$(nproc)
+    for t in "$cores" $((cores - 1)) $((cores - 4)); do
+      step 100 threads.log -- python3 benchmarks/stream/full_finetune.py --budget 24GiB --warmup 3 --steps 6 --threads "$t" --json "$out/full1.5b-fp32-threads$t.json"
+    done
     ;;
   compare)
     step 560 compare.log -- python3 benchmarks/compare.py --scenario lora14b --vram-gb 24 --warmup 2 --steps 3 --deadline-s 540 --timeout 150 --out "$out/compare-lora14b.jsonl"

@@ -486,3 +486,22 @@ def test_lora72b_fp32_adapters_at_80gib_plans_within_a_rank_share(qwen72b_lora_f
     _check_invariants(p, 80 * GiB, host)
     assert 0 < len(p.streamed_blocks) < 80
     assert p.prediction.compute_s < 10.0  # bf16 tensor-core matmuls: seconds, not tens of seconds
+
+
+def test_forced_offloads_are_not_traded_for_host_ram(qwen14b_lora_census):
+    """Blocks the user forces to offload stay offloaded while fitting host RAM: the others give way, or
+    the plan is refused naming activation_offload."""
+    slow = dict(vram_budget_bytes=24 * GiB, matmul_tflops=60.0)
+    p = plan(
+        qwen14b_lora_census,
+        HardwareProfile.synthetic(host_ram_bytes=40 * GiB, **slow),
+        PlanConfig(activation_offload=0.25),
+    )
+    assert all(b.activations == "offload" for b in p.blocks[:12])  # a share takes the leading blocks
+    _check_invariants(p, 24 * GiB, 40 * GiB)
+    with pytest.raises(InfeasiblePlan, match="activation_offload=False"):
+        plan(
+            qwen14b_lora_census,
+            HardwareProfile.synthetic(host_ram_bytes=40 * GiB, **slow),
+            PlanConfig(activation_offload=True),
+        )

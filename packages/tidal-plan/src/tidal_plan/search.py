@@ -245,14 +245,14 @@ def _host_savers(s: State, fx: Fixed, census: ModelCensus) -> list[State]:
     offloaded block's activations recomputed (kept only where recompute is not allowed; the early
     blocks' copies hide best, [Note: overlap order]); with no offload left, the greedy's upgrades (one
     more resident block takes its weights out of the host's streamed set)."""
-    offloaded = [i for i, a in enumerate(s.act) if a == "offload"]
-    if not offloaded:
+    # offloaded blocks the user did not force to offload (activation_offload=True or a share)
+    free = [i for i, a in enumerate(s.act) if a == "offload" and len(fx.act_allowed[i]) > 1]
+    if not free:
         return _moves(s, fx, census)
-    i = offloaded[-1]
-    allowed = fx.act_allowed[i]
+    i = free[-1]
     t = s.copy()
-    t.act[i] = "recompute" if "recompute" in allowed else allowed[-1]
-    return [t] if t.act[i] != "offload" else []
+    t.act[i] = "recompute" if "recompute" in fx.act_allowed[i] else fx.act_allowed[i][-1]
+    return [t]
 
 
 # Rounds of greedy search + per-block activation choice; each round only lowers the objective.

@@ -4,7 +4,7 @@
 # tests-integration/ and benchmarks/tests/ with TIDAL_REQUIRE_GPU=1, writes one merged JUnit XML (junit.xml), the full log
 # (gpu-suite.log) and the summary (summary.txt) under $OUT when set — three files, since the GPU machine
 # returns only a few — and prints a per-package passed/failed/time table last. Extra arguments go to
-# every pytest call.
+# every pytest call. GPU_SUITE_TARGETS (space-separated directories) narrows the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -19,7 +19,10 @@ if python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 
   plugin=()
 fi
 targets=()
-for d in packages/*/tests tests-integration benchmarks/tests; do [ -d "$d" ] && targets+=("$d"); done
+# GPU_SUITE_TARGETS="packages/tidal-plan/tests tests-integration" runs only those (a re-run after a fix)
+for d in ${GPU_SUITE_TARGETS:-packages/*/tests tests-integration benchmarks/tests}; do
+  [ -d "$d" ] && targets+=("$d")
+done
 summary=()
 total_start=$(date +%s)
 status=0

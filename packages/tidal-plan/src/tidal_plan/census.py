@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -381,6 +382,14 @@ def _count(params: list[nn.Parameter], mats: set[int]) -> tuple[dict[str, int], 
     return c, tuple(shapes)
 
 
+def _common_element_size(params: Iterable[nn.Parameter]) -> int:
+    """Element size holding the most elements among ``params`` (2 when there are none)."""
+    elements: dict[int, int] = {}
+    for p in params:
+        elements[p.element_size()] = elements.get(p.element_size(), 0) + p.numel()
+    return max(elements, key=lambda k: elements[k]) if elements else 2
+
+
 def census(
     model: nn.Module,
     blocks: nn.Module | str | None = None,
@@ -490,13 +499,7 @@ def census(
         )
     oc, outside_shapes = _count(outside, mats)
     trainable = [p for p in param_of.values() if p.requires_grad] or list(param_of.values())
-    sizes: dict[int, int] = {}
-    for p in trainable:
-        sizes[p.element_size()] = sizes.get(p.element_size(), 0) + p.numel()
-    dtype_bytes = max(sizes, key=lambda k: sizes[k]) if sizes else 2
-    every: dict[int, int] = {}
-    for p in param_of.values():
-        every[p.element_size()] = every.get(p.element_size(), 0) + p.numel()
+    dtype_bytes = _common_element_size(trainable)
     result = ModelCensus(
         stack_name=stack_name,
         block_type=type(stack[0]).__name__,
@@ -518,7 +521,7 @@ def census(
         tied=tied,
         param_to_block=param_to_block,
         param_dtype_bytes=dtype_bytes,
-        compute_dtype_bytes=max(every, key=lambda k: every[k]) if every else dtype_bytes,
+        compute_dtype_bytes=_common_element_size(param_of.values()),
         activation_source=source,
         notes=tuple(notes),
     )

@@ -362,6 +362,7 @@ def _plan_share(
     if session.device.type != "cuda" or opts.plan is not None:
         return
     from tidal_plan import InfeasiblePlan, PlanConfigError
+    from tidal_stream.options import mostly_trained
 
     blocks = opts.blocks
     try:
@@ -398,7 +399,7 @@ def _plan_share(
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
     trained = sum(b.trainable_bytes for b in c.blocks)
-    full = trained > 0.5 * sum(b.trainable_bytes + b.frozen_bytes for b in c.blocks)  # weights.install's rule
+    full = mostly_trained(trained, sum(b.trainable_bytes + b.frozen_bytes for b in c.blocks))
     if full and opts.param_offload == "auto":
         # the sharded optimizer updates trained weights on the device: a plan that streams them cannot run
         cfg["param_offload"] = False

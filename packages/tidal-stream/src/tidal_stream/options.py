@@ -273,3 +273,9 @@ class WrapOptions:
                 "Fix: check the spelling (see help(tidal_stream.WrapOptions))."
             )
         return cls(**options)
+
+
+def mostly_trained(trainable_bytes: int, total_bytes: int) -> bool:
+    """Full fine-tuning rather than LoRA-like: trained bytes are more than half of the blocks' bytes (then
+    trained weights stream with the frozen ones and the host optimizer updates their host copies)."""
+    return trainable_bytes > 0.5 * total_bytes

@@ -53,6 +53,7 @@ from torch import nn
 from tidal_stream.activations import ActivationHandle, install_activation_policy
 from tidal_stream.attention import AttentionHandle, install_attention
 from tidal_stream.errors import option_error
+from tidal_stream.options import mostly_trained
 from tidal_stream.streamed_blocks import StreamedBlocks, StreamingError
 from tidal_stream.timeline import TimelineRecorder
 
@@ -508,12 +509,11 @@ def install(session: Any, model: nn.Module, options: Any) -> WeightsExtension | 
         inflight = parse_bytes_option("max_inflight_bytes", inflight)
     weights = None
     if streamed:
-        # LoRA-like (trainable bytes a small share of the blocks): adapters stay resident, the frozen
-        # base streams; full fine-tuning: trainable weights stream too and the host optimizer updates
-        # their host copies (see the module docstring)
+        # LoRA-like: adapters stay resident, the frozen base streams; full fine-tuning: trained weights
+        # stream too, updated in their host copies (see the module docstring)
         params = [p for i in streamed for p in blocks[i].parameters()]
         trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        stream_trainable = trainable > 0.5 * sum(p.numel() * p.element_size() for p in params)
+        stream_trainable = mostly_trained(trainable, sum(p.numel() * p.element_size() for p in params))
         if stream_trainable and not getattr(
             getattr(session, "optimizer", None), "host_weight_updates", False
         ):

@@ -103,6 +103,8 @@ def run_engine(
             memtrace.stop(dev)
         run_steps(step, warmup=warmup, steps=steps, device=dev, progress=progress, timing=timing)
         rec["outcome"], rec["detail"] = "ok", ""
+        if hasattr(module, "notes"):
+            rec["engine_notes"] = module.notes()  # what the engine decided (tidal: its plan and refinement)
     except NotApplicable as exc:
         rec["outcome"], rec["detail"] = "n/a", str(exc)
     except Exception as exc:

@@ -153,5 +153,21 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     if ctx.budget_bytes is not None:
         options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
     model, opt = wrap(model, opt, **options)
+    _WRAPPED[:] = [model]
     ids = ctx.batch()  # [B, T]
     return train_step(model, opt, ids)
+
+
+_WRAPPED: list[nn.Module] = []  # the model of this engine process's run, for notes()
+
+
+def notes() -> list[str]:
+    """The wrapped run's plan and its measured refinement, as tidal's decision log has them."""
+    from tidal_stream import memory_report
+
+    if not _WRAPPED:
+        return []
+    events = memory_report(_WRAPPED[0])["events"]
+    return [
+        e["message"] for e in events if e["kind"] == "plan" or e["message"].startswith("measured first step")
+    ]

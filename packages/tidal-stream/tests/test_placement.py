@@ -17,8 +17,10 @@ from tidal_stream.placement import (
     device_state_bytes,
     keep_activations_after_first_step,
     keep_offloaded_activations,
+    keep_recomputed_activations,
     promote_to_device,
     refine_after_first_step,
+    unstream_frozen_blocks,
     widen_workspace,
 )
 from tidal_testing import max_abs_diff
@@ -120,6 +122,52 @@ def test_promoted_streamed_block_trains_like_torch_adamw(part):
         assert max_abs_diff(got, q) < 1e-6
     unwrap(model)
     assert max(max_abs_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())) < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_blocks_stop_streaming_and_recomputed_blocks_keep_after_the_first_step():
+    """Block linears frozen (a LoRA-like base), every block streamed and recomputed by request, planned for
+    the default 4,096 tokens while the batch is 64: after the first update the measured room (the whole
+    device) stops streaming the frozen blocks and keeps every recomputed block's activations. The losses
+    match the same run under its plan given (``plan=``: nothing switches)."""
+    from tidal_stream.kept_activations import activations_of
+
+    def run(given=None):
+        model = make_model(device="cuda")
+        for name, q in model.blocks.named_parameters():
+            q.requires_grad_("norm" in name)
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+        how = (
+            {"plan": given}
+            if given
+            else {"param_offload": True, "recompute": True, "activation_offload": False}
+        )
+        model, opt = wrap(model, opt, blocks=model.blocks, attention=None, **how)
+        session = session_of(model)
+        assert session.extensions and activations_of(session).stats()["policies"] == ["recompute"] * 2
+        losses = []
+        for step in range(4):
+            loss = loss_fn(model, step, "cuda")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        streamed = session.report()["weight_streaming"]
+        policies = activations_of(session).stats()["policies"]
+        events = [e["message"] for e in session.report()["events"]]
+        plan = session.plan
+        unwrap(model)
+        return losses, streamed, policies, events, plan
+
+    losses, streamed, policies, events, plan = run()
+    line = next(m for m in events if m.startswith("measured first step"))
+    assert "blocks 0-1 STOP STREAMING" in line and "blocks 0-1 KEEP their activations" in line, line
+    assert policies == ["keep"] * 2 and streamed["streamed_ever"] == [0, 1]
+    assert plan.streamed_blocks and all(b.activations == "recompute" for b in plan.blocks)
+    given_losses, given_streamed, given_policies, _, _ = run(plan)
+    assert given_policies == ["recompute"] * 2 and given_streamed["changes"] == []
+    assert max(abs(a - b) for a, b in zip(losses, given_losses)) < 1e-6, (losses, given_losses)
 
 
 @pytest.mark.gpu
@@ -403,14 +451,22 @@ def test_no_block_stack_with_wrong_blocks_still_raises():
 
 
 class _Acts:
-    """An activation-policy handle after one step: every block offloaded, its measured bytes."""
+    """An activation-policy handle after one step: its policies (every block offloaded unless given), the
+    measured offloaded bytes and inputs of each block."""
 
-    def __init__(self, block_bytes: list[int]) -> None:
-        self.policies = ["offload"] * len(block_bytes)
+    def __init__(
+        self, block_bytes: list[int], policies: list[str] | None = None, input_bytes: int = 0
+    ) -> None:
+        self.policies = list(policies) if policies else ["offload"] * len(block_bytes)
         self.block_bytes = block_bytes
+        self.input_bytes = [input_bytes] * len(block_bytes)
 
     def stats(self) -> dict:
-        return {"policies": list(self.policies), "block_offloaded_bytes": list(self.block_bytes)}
+        return {
+            "policies": list(self.policies),
+            "block_offloaded_bytes": list(self.block_bytes),
+            "block_input_bytes": list(self.input_bytes),
+        }
 
     def set_policy(self, i: int, policy: str) -> None:
         self.policies[i] = policy
@@ -484,5 +540,87 @@ def test_data_parallel_keeps_offloaded_activations_that_fit(monkeypatch):
     keep_activations_after_first_step(session2, foreign2, int(14 * GiB))
     assert (
         acts2.policies == ["offload"] * 4
-        and "every offloaded block keeps offloading" in session2.events[-1][1]
+        and "every offloaded or recomputed block stays so" in session2.events[-1][1]
     )
+
+
+# lora14b NF4 as the 4,096-token plan of a 24 GiB budget has it: blocks 0-13 offload, 14 keeps, 15-47 recompute;
+# the real batch is 512 tokens of hidden 5120 in bf16 (5 MiB of block input)
+_LORA14B_POLICIES = ["offload"] * 14 + ["keep"] + ["recompute"] * 33
+_INPUT_512 = 512 * 5120 * 2
+
+
+def _census(n: int, keep_per_token: int, input_per_token: int = 5120 * 2):
+    """Per-block bytes per token as tidal_plan's census has them: kept activations and the main input."""
+    block = types.SimpleNamespace(
+        activation_bytes_per_token=keep_per_token, input_bytes_per_token=input_per_token
+    )
+    return types.SimpleNamespace(blocks=[block] * n)
+
+
+def test_refinement_keeps_recomputed_activations_by_estimate_after_offloaded_ones(monkeypatch):
+    """Room (7.93 GiB) goes first to the 14 offloaded blocks (200 MiB measured each), then to recomputed
+    blocks, last first, at their input (5 MiB) times the census' kept-to-input ratio (40: 200 MiB each)."""
+    acts = _Acts([200 * MiB] * 14 + [0] * 34, _LORA14B_POLICIES, _INPUT_512)
+    session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+    session.census = _census(48, 40 * 5120 * 2)
+    budget = int(23.7 * GiB)
+    refine_after_first_step(session, opt, foreign, budget)
+    _, msg, data = session.events[-1]
+    room = budget - int(0.1 * budget) - int(13.4 * GiB)
+    recomputed = (room - 14 * 200 * MiB) // (200 * MiB)
+    assert recomputed == 26
+    assert data["activations_kept"] == list(range(14)) + list(range(48 - recomputed, 48))
+    assert data["activations_kept_bytes"] == (14 + recomputed) * 200 * MiB <= room
+    assert acts.policies == ["keep"] * 15 + ["recompute"] * (33 - recomputed) + ["keep"] * recomputed
+    assert f"blocks 0-13, {48 - recomputed}-47 KEEP their activations" in msg and "estimated" in msg
+
+
+def test_recomputed_activations_need_a_census_of_the_same_stack_and_a_measured_input():
+    acts = _Acts([0] * 4, ["recompute"] * 4, _INPUT_512)
+    session = _Session([types.SimpleNamespace(activations=acts)])
+    assert keep_recomputed_activations(session, 10 * GiB) == ([], 0)  # no census (a plan given without one)
+    session.census = _census(3, 40 * 5120 * 2)
+    assert keep_recomputed_activations(session, 10 * GiB) == ([], 0)  # another stack's census
+    session.census = _census(4, 40 * 5120 * 2)
+    acts.input_bytes[3] = 0  # block 3 never ran in grad mode
+    assert keep_recomputed_activations(session, 10 * GiB) == ([0, 1, 2], 3 * 200 * MiB)
+    assert acts.policies == ["keep"] * 3 + ["recompute"]
+    assert keep_recomputed_activations(session, 0) == ([], 0)
+
+
+def test_frozen_streamed_blocks_stop_streaming_earliest_first_while_they_fit():
+    """LoRA exact: blocks 9-47 stream frozen bases of 530.5 MiB; a block whose streamed weight the host
+    optimizer updates (block 10) stays streaming. 3 GiB of room hold five blocks: 9, 11, 12, 13, 14."""
+    frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
+    trained = nn.Parameter(torch.empty(1, device="meta"))
+    streaming = _Streaming({**{id(t): i for i, t in frozen.items()}, id(trained): 10}, int(530.5 * MiB))
+    opt = _Opt([trained], {id(trained)}, [])
+    blocks, nbytes = unstream_frozen_blocks(opt, streaming, 3 * GiB)
+    assert blocks == [9, 11, 12, 13, 14] and nbytes == 5 * int(530.5 * MiB)
+    assert streaming.streamed == [10, *range(15, 48)]
+    assert unstream_frozen_blocks(opt, streaming, 0) == ([], 0)
+    assert unstream_frozen_blocks(opt, None, 3 * GiB) == ([], 0)
+
+
+def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(monkeypatch):
+    """The 7.93 GiB of room go to frozen blocks first (15 of 530.5 MiB), the rest to offloaded activations;
+    a given plan (keep_streamed) leaves its streamed blocks and activations alone."""
+    for given in (False, True):
+        frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
+        streaming = _Streaming({id(t): i for i, t in frozen.items()}, int(530.5 * MiB))
+        acts = _Acts([50 * MiB] * 48)
+        session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+        session.extensions.append(streaming)
+        budget = int(23.7 * GiB)
+        refine_after_first_step(session, opt, foreign, budget, keep_streamed=given)
+        _, msg, data = session.events[-1]
+        if given:
+            assert streaming.streamed == list(range(9, 48)) and data["activations_kept"] == []
+            continue
+        room = budget - int(0.1 * budget) - int(13.4 * GiB)
+        n = room // int(530.5 * MiB)
+        assert n == 15 and data["unstreamed"] == list(range(9, 9 + n))
+        assert streaming.streamed == list(range(9 + n, 48)) and "blocks 9-23 STOP STREAMING" in msg
+        left = room - n * int(530.5 * MiB)
+        assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))

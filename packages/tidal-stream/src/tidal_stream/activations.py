@@ -103,6 +103,12 @@ def _checkpoint_generator(
     return gen_fn(*lead, *args, **kwargs)
 
 
+def _main_input_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of a block's main input (hidden states): its first tensor argument, else ``hidden_states``."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+    return first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+
+
 def _bytes_as(buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
     """``like``'s dtype, shape and strides over ``buf`` (``uint8``) from byte ``off`` (aligned)."""
     nbytes = like.numel() * like.element_size()
@@ -232,6 +238,7 @@ class ActivationHandle:
         self._ctx: list[list[Any]] = [[] for _ in self.blocks]  # entered contexts, per block
         self._recomputing = [False] * len(self.blocks)
         self._block_bytes = [0] * len(self.blocks)  # offloaded bytes of each block's latest forward
+        self._input_bytes = [0] * len(self.blocks)  # bytes of each block's main input, latest forward
         self._stats = dict.fromkeys(
             (
                 "offloaded_tensors",
@@ -270,6 +277,7 @@ class ActivationHandle:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._recomputing[i] or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
                 return
+            self._input_bytes[i] = _main_input_nbytes(args, kwargs)
             policy = self.policies[i]
             if policy == "offload":
                 self._block_bytes[i] = 0
@@ -481,12 +489,14 @@ class ActivationHandle:
         """Counters: offloaded tensors/bytes, deduplicated (saves served by a copy already made), kept
         (small, weights, not dense), prefetched, demand fetches (copy-back not prefetched in time),
         restore copies (H2D copies issued: one per block slab), recomputed forwards,
-        ``block_offloaded_bytes`` (per block, its latest forward), ``host_pool`` (the pool's
+        ``block_offloaded_bytes`` and ``block_input_bytes`` (per block, its latest forward in grad mode;
+        the input: the first tensor argument, else ``hidden_states``), ``host_pool`` (the pool's
         ``stats()``: allocations flat after warm-up) and the current policies."""
         return {
             **self._stats,
             "host_pool": self.pool.stats(),
             "block_offloaded_bytes": list(self._block_bytes),
+            "block_input_bytes": list(self._input_bytes),
             "policies": list(self.policies),
             "degraded": list(self.host.degraded),
         }

@@ -410,6 +410,7 @@ def _plan_share(
         )
     try:
         session.plan = plan(c, profile, PlanConfig(**cfg))
+        session.census = c  # the measured refinement sizes recomputed blocks' activations from it
     except InfeasiblePlan as e:
         if not full:
             raise
@@ -482,7 +483,7 @@ def wrap_distributed(
         ``(model, optimizer)`` with a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
     """
     from tidal_stream.peer_pool import install_peer_pool
-    from tidal_stream.placement import offloads_activations
+    from tidal_stream.placement import activations_to_refine
     from tidal_stream.session import Session
     from tidal_stream.sharded_optimizer import ShardedHostAdamW
     from tidal_stream.shared_host import SharedHostCopy
@@ -578,7 +579,7 @@ def wrap_distributed(
         session.close()
         raise
     session.extensions.append(_DistributedExtension(ctx, shared, opt, pool))
-    if device.type == "cuda" and opts.plan is None and offloads_activations(session):
+    if device.type == "cuda" and opts.plan is None and activations_to_refine(session):
         _measure_first_step(session, model, opt, opts.vram_budget_bytes, pool)
     setattr(model, _ATTR, session)
     session.record(

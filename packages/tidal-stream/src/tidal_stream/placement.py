@@ -5,8 +5,11 @@ the host; ``offload="auto"``: ``tidal_plan.plan`` decides per block (``Plan.opti
 "split" with ``gpu_blocks`` / ``outside_on_gpu``). After the first update on CUDA the measured peak tells
 how much room is left, and host-placed parameters move to the device in forward order while it lasts
 (:func:`refine_after_first_step`) — the "switch to fused GPU AdamW after measuring" of the design. Room
-left after that lets offloaded blocks keep their activations on the device, by their measured bytes
-(:func:`keep_offloaded_activations`): the plan sized them for its ``batch_tokens``, not the real batch.
+left after that stops streaming blocks whose streamed weights are all frozen (a LoRA base: no optimizer
+moves them), then lets offloaded blocks keep their activations on the device, by their measured bytes
+(:func:`keep_offloaded_activations`), then recomputed ones, by their measured input scaled by the census
+(:func:`keep_recomputed_activations`): the plan sized all three for its ``batch_tokens``, not the real
+batch (512 real tokens against the default 4,096 leave most of what it gave activations unused).
 
 [Note: given plans] a plan passed as ``plan=`` was shown to (or written by) the user: its streamed blocks
 keep streaming. The measured refinement then moves only the optimizer of parameters that do not stream;
@@ -30,19 +33,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_stream.kept_activations import (
+    activations_to_refine,
+    block_ranges,
+    keep_activations,
+    keep_offloaded_activations,
+    keep_recomputed_activations,
+    kept_text,
+)
 from tidal_stream.options import WrapOptions
 
 __all__ = [
     "Placement",
+    "activations_to_refine",
     "decide_placement",
     "device_share",
     "device_state_bytes",
+    "has_first_step_refinement",
     "keep_activations_after_first_step",
     "keep_offloaded_activations",
+    "keep_recomputed_activations",
     "measured_room",
-    "offloads_activations",
     "promote_to_device",
     "refine_after_first_step",
+    "unstream_frozen_blocks",
     "widen_workspace",
 ]
 
@@ -102,17 +116,6 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
     return c, plan(c, profile, PlanConfig(**cfg))
 
 
-def _ranges(idx: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
-    for i in sorted(idx):
-        if out and int(out[-1].split("-")[-1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
-
-
 def _from_plan(model: nn.Module, p: Any, c: Any, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
     """Parameters whose state the plan keeps on the device."""
     o = p.optimizer
@@ -165,6 +168,7 @@ def decide_placement(
         blocks = opts.blocks
         c = census(model, blocks=nn.ModuleList(blocks) if isinstance(blocks, (list, tuple)) else blocks)
     session.plan = p
+    session.census = c
     session.record("plan", p.explain())
     if opts.moment_dtype == "auto":
         moment = p.optimizer.moment_dtype
@@ -184,7 +188,7 @@ def decide_placement(
     if given and p.streamed_blocks:
         session.record(
             "placement",
-            f"plan given (plan=): followed as given; its streamed blocks {_ranges(list(p.streamed_blocks))} "
+            f"plan given (plan=): followed as given; its streamed blocks {block_ranges(list(p.streamed_blocks))} "
             "keep streaming"
             + (
                 "; the measured refinement moves only the optimizer of weights that do not stream"
@@ -354,7 +358,9 @@ def refine_after_first_step(
     session: Any, opt: Any, foreign: int, budget: int | None, keep_streamed: bool = False
 ) -> None:
     """After the first update: measure the step's peak and move to the device the host share that fits,
-    then keep on the device the offloaded activations that fit in what is left.
+    then stop streaming blocks of frozen weights that fit (:func:`unstream_frozen_blocks`), then keep on
+    the device the offloaded and recomputed activations that fit in what is left
+    (:func:`~tidal_stream.kept_activations.keep_activations`).
 
     [Note: measured room] the device really holds what the caching allocator RESERVED, not what is
     allocated: at the peak of a step the difference (fragmentation, cached blocks of other sizes) is
@@ -384,8 +390,11 @@ def refine_after_first_step(
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
     chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
+    frozen, frozen_bytes = unstream_frozen_blocks(opt, streaming, room - total)
+    unstreamed = sorted(unstreamed + frozen)
+    total += frozen_bytes
     # a given plan's activation choices stand, as its streamed blocks do
-    kept, kept_bytes = ([], 0) if keep_streamed else keep_offloaded_activations(session, room - total)
+    kept, kept_bytes = ([], 0) if keep_streamed else keep_activations(session, room - total)
     host_left = sum(s.param.numel() for s in opt.host_slots())
     streamed_left = [] if _streaming_of(session) is None else _streaming_of(session).weights.streamed
     session.record(
@@ -395,19 +404,19 @@ def refine_after_first_step(
         + f"; moved the optimizer of {moved} tensors ({total / 2**30:.2f} GiB with gradients and workspace) "
         "to the device"
         + (
-            f"; blocks {_ranges(unstreamed)} STOP STREAMING (their weights stay on the device)"
+            f"; blocks {block_ranges(unstreamed)} STOP STREAMING (their weights stay on the device)"
             if unstreamed
             else ""
         )
         + (
-            f"; blocks {_ranges(streamed_left)} keep streaming"
+            f"; blocks {block_ranges(streamed_left)} keep streaming"
             + (" (plan given: streamed blocks are kept)" if keep_streamed else "")
             if streamed_left
             else ""
         )
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)")
-        + _kept_text(kept, kept_bytes),
+        + kept_text(kept, kept_bytes),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -445,12 +454,12 @@ def keep_activations_after_first_step(session: Any, foreign: int, budget: int | 
     """After the first step under data parallel (the optimizer is sharded on the host whatever the room):
     keep on the device the offloaded activations that fit the measured room (:func:`measured_room`)."""
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
-    kept, kept_bytes = keep_offloaded_activations(session, room)
+    kept, kept_bytes = keep_activations(session, room)
     session.record(
         "placement",
         f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
         + _room_text(budget, room, headroom)
-        + (_kept_text(kept, kept_bytes) if kept else "; every offloaded block keeps offloading"),
+        + (kept_text(kept, kept_bytes) if kept else "; every offloaded or recomputed block stays so"),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -466,57 +475,44 @@ def _room_text(budget: int | None, room: int, headroom: int) -> str:
     )
 
 
-def _kept_text(kept: list[int], kept_bytes: int) -> str:
-    if not kept:
-        return ""
-    return (
-        f"; blocks {_ranges(kept)} KEEP their activations on the device ({kept_bytes / 2**30:.2f} GiB "
-        "measured; they were offloaded)"
+def has_first_step_refinement(session: Any, opt: Any) -> bool:
+    """The measured refinement has something to move: host optimizer state, offloaded or recomputed
+    activations, or streamed blocks."""
+    streaming = _streaming_of(session)
+    return bool(
+        opt.host_slots()
+        or activations_to_refine(session)
+        or (streaming is not None and streaming.weights.streamed)
     )
 
 
-def _activations_of(session: Any) -> Any:
-    """The session's activation-policy handle (None when no block offloads or recomputes)."""
-    for ext in session.extensions:
-        acts = getattr(ext, "activations", None)
-        if acts is not None and hasattr(acts, "set_policy"):
-            return acts
-    return None
+def unstream_frozen_blocks(opt: Any, streaming: Any, room: int) -> tuple[list[int], int]:
+    """Stop streaming the blocks whose streamed weights are all frozen while their bytes fit ``room``.
 
-
-def offloads_activations(session: Any) -> bool:
-    """Some block of the session copies its activations to the host."""
-    acts = _activations_of(session)
-    return acts is not None and "offload" in acts.stats()["policies"]
-
-
-def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]:
-    """Switch offloaded blocks to keeping their activations on the device while their measured bytes fit.
-
-    The plan sizes activations for ``batch_tokens`` (its default when wrap() was not told the batch): a
-    smaller real batch leaves room that copying every block's activations to the host and back wastes
-    (two PCIe crossings and host bookkeeping per saved tensor). The first step measured each offloaded
-    block's bytes; kept ones all live at the end of forward, so their sum must fit in ``room``. The last
-    blocks go first: backward needs them back first, the least time to prefetch.
+    A LoRA base streams without any optimizer state of its own, so :func:`device_share` never reaches it;
+    with no host update to wait for, its host copy is current and the block can stay on the device. Earlier
+    blocks go first, in forward order, as :func:`device_share` moves its units.
 
     Returns:
-        The blocks switched, and their measured bytes.
+        The blocks that stopped streaming, and their weight bytes.
     """
-    acts = _activations_of(session)
-    if acts is None or room <= 0:
+    if streaming is None or room <= 0:
         return [], 0
-    stats = acts.stats()
-    measured = stats["block_offloaded_bytes"]
-    kept: list[int] = []
+    updated = {
+        b
+        for s in opt.host_slots()
+        if s.host_weight is not None and (b := streaming.streamed_block_of(s.param)) is not None
+    }
+    chosen: list[int] = []
     total = 0
-    for i in reversed(range(len(stats["policies"]))):
-        nbytes = measured[i]
-        if stats["policies"][i] != "offload" or not nbytes or total + nbytes > room:
+    for i in streaming.weights.streamed:
+        nbytes = streaming.weights.block_nbytes(i)
+        if i in updated or total + nbytes > room:
             continue
-        acts.set_policy(i, "keep")
-        kept.append(i)
+        chosen.append(i)
         total += nbytes
-    return sorted(kept), total
+    streaming.unstream(chosen)
+    return chosen, total
 
 
 def _headroom(nbytes: int) -> int:

@@ -59,6 +59,8 @@ class Session:
         self.streams: DeviceStreams = device_streams(device)
         self.host = HostMemory(device, self.record)
         self.plan: object | None = None
+        # the tidal_plan census the plan was made from (per-block bytes per token), when there is one
+        self.census: object | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.h2d_bytes = 0
         self.d2h_bytes = 0

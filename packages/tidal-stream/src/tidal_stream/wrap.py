@@ -23,7 +23,7 @@ from tidal_stream.options import WrapOptions
 from tidal_stream.placement import (
     decide_placement,
     foreign_device_bytes,
-    offloads_activations,
+    has_first_step_refinement,
     refine_after_first_step,
 )
 from tidal_stream.session import Session
@@ -283,7 +283,7 @@ def wrap(
         opt.close()
         session.close()
         raise
-    if place.refine and (opt.host_slots() or offloads_activations(session)):
+    if place.refine and has_first_step_refinement(session, opt):
         torch.cuda.synchronize(device)
         foreign = foreign_device_bytes(opt, model, device)
         # the refinement reads the first step's peak of RESERVED bytes: cached blocks freed by streaming

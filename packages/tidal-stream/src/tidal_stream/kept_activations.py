@@ -1,0 +1,136 @@
+"""After the first step: blocks that offload or recompute their activations keep them on the device
+while they fit the measured room.
+
+The plan sized every block's activations for its ``batch_tokens`` (4,096 unless ``wrap()`` was told the
+batch); a smaller real batch leaves room that copying activations to the host and back, or running a
+block's forward twice, wastes. Offloaded blocks' bytes are measured by the first step; recomputed ones
+never build their saved tensors in forward, so theirs are estimated from their measured input and the
+census (:func:`keep_recomputed_activations`). Used by :mod:`tidal_stream.placement` (one GPU) and by
+data parallel's first-step measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "activations_of",
+    "activations_to_refine",
+    "block_ranges",
+    "keep_activations",
+    "keep_offloaded_activations",
+    "keep_recomputed_activations",
+    "kept_text",
+]
+
+
+def activations_of(session: Any) -> Any:
+    """The session's activation-policy handle (None when no block offloads or recomputes)."""
+    for ext in session.extensions:
+        acts = getattr(ext, "activations", None)
+        if acts is not None and hasattr(acts, "set_policy"):
+            return acts
+    return None
+
+
+def activations_to_refine(session: Any) -> bool:
+    """Some block of the session offloads or recomputes its activations (the first step may keep them)."""
+    acts = activations_of(session)
+    return acts is not None and bool({"offload", "recompute"} & set(acts.stats()["policies"]))
+
+
+def keep_activations(session: Any, room: int) -> tuple[list[int], int]:
+    """Offloaded blocks keep their activations while they fit (:func:`keep_offloaded_activations`), then
+    recomputed ones in what is left (:func:`keep_recomputed_activations`).
+
+    Offloaded ones go first: their bytes are measured, and each also saves two PCIe crossings.
+
+    Returns:
+        The blocks switched to ``keep``, and their (measured or estimated) bytes.
+    """
+    kept, nbytes = keep_offloaded_activations(session, room)
+    more, more_bytes = keep_recomputed_activations(session, room - nbytes)
+    return sorted(kept + more), nbytes + more_bytes
+
+
+def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]:
+    """Switch offloaded blocks to keeping their activations on the device while their measured bytes fit.
+
+    The plan sizes activations for ``batch_tokens`` (its default when wrap() was not told the batch): a
+    smaller real batch leaves room that copying every block's activations to the host and back wastes
+    (two PCIe crossings and host bookkeeping per saved tensor). The first step measured each offloaded
+    block's bytes; kept ones all live at the end of forward, so their sum must fit in ``room``. The last
+    blocks go first: backward needs them back first, the least time to prefetch.
+
+    Returns:
+        The blocks switched, and their measured bytes.
+    """
+    acts = activations_of(session)
+    if acts is None or room <= 0:
+        return [], 0
+    stats = acts.stats()
+    measured = stats["block_offloaded_bytes"]
+    kept: list[int] = []
+    total = 0
+    for i in reversed(range(len(stats["policies"]))):
+        nbytes = measured[i]
+        if stats["policies"][i] != "offload" or not nbytes or total + nbytes > room:
+            continue
+        acts.set_policy(i, "keep")
+        kept.append(i)
+        total += nbytes
+    return sorted(kept), total
+
+
+def keep_recomputed_activations(session: Any, room: int) -> tuple[list[int], int]:
+    """Switch recomputed blocks to keeping their activations on the device while their estimated bytes fit.
+
+    A recomputed block never builds its saved tensors in forward, so its bytes are estimated: the first
+    step's measured input bytes times the census' kept-to-input bytes per token of that block (both grow
+    with the tokens). Each switch saves a forward of the block in backward. Last blocks first, as
+    :func:`keep_offloaded_activations`. Needs the census of ``wrap()``'s plan (``session.census``).
+
+    Returns:
+        The blocks switched, and their estimated bytes.
+    """
+    acts = activations_of(session)
+    census = getattr(session, "census", None)
+    if acts is None or census is None or room <= 0:
+        return [], 0
+    stats = acts.stats()
+    policies, inputs = stats["policies"], stats["block_input_bytes"]
+    if len(census.blocks) != len(policies):
+        return [], 0  # the census counted another stack than the handle's: no estimate to trust
+    kept: list[int] = []
+    total = 0
+    for i in reversed(range(len(policies))):
+        b = census.blocks[i]
+        if policies[i] != "recompute" or not inputs[i] or not b.input_bytes_per_token:
+            continue
+        nbytes = -(-inputs[i] * b.activation_bytes_per_token // b.input_bytes_per_token)
+        if total + nbytes > room:
+            continue
+        acts.set_policy(i, "keep")
+        kept.append(i)
+        total += nbytes
+    return sorted(kept), total
+
+
+def block_ranges(idx: list[int]) -> str:
+    """Block indices for the decision log: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for i in sorted(idx):
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def kept_text(kept: list[int], kept_bytes: int) -> str:
+    if not kept:
+        return ""
+    return (
+        f"; blocks {block_ranges(kept)} KEEP their activations on the device ({kept_bytes / 2**30:.2f} GiB "
+        "measured or estimated; they were offloaded or recomputed)"
+    )

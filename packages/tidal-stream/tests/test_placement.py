@@ -124,50 +124,95 @@ def test_promoted_streamed_block_trains_like_torch_adamw(part):
     assert max(max_abs_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())) < 1e-6
 
 
-@pytest.mark.gpu
-def test_gpu_frozen_blocks_stop_streaming_and_recomputed_blocks_keep_after_the_first_step():
-    """Block linears frozen (a LoRA-like base), every block streamed and recomputed by request, planned for
-    the default 4,096 tokens while the batch is 64: after the first update the measured room (the whole
-    device) stops streaming the frozen blocks and keeps every recomputed block's activations. The losses
-    match the same run under its plan given (``plan=``: nothing switches)."""
+def _lora_like_run(device: str, after_first_step=None, **how) -> tuple:
+    """TinyGPT with its block linears frozen (a LoRA-like base) wrapped with ``how``, four AdamW steps;
+    ``after_first_step(session, opt)`` runs after the first. Forward and backward both run under the math
+    SDPA backend: a recomputed block must run the same kernels in backward as in forward.
+
+    Returns:
+        The losses, the weight-streaming report, the activation policies, the decision log, the plan.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from tidal_stream.kept_activations import activations_of
 
-    def run(given=None):
-        model = make_model(device="cuda")
-        for name, q in model.blocks.named_parameters():
-            q.requires_grad_("norm" in name)
-        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
-        how = (
-            {"plan": given}
-            if given
-            else {"param_offload": True, "recompute": True, "activation_offload": False}
-        )
-        model, opt = wrap(model, opt, blocks=model.blocks, attention=None, **how)
-        session = session_of(model)
-        assert session.extensions and activations_of(session).stats()["policies"] == ["recompute"] * 2
-        losses = []
-        for step in range(4):
-            loss = loss_fn(model, step, "cuda")
+    model = make_model(device=device)
+    for name, q in model.blocks.named_parameters():
+        q.requires_grad_("norm" in name)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+    model, opt = wrap(model, opt, blocks=model.blocks, attention=None, **how)
+    session = session_of(model)
+    assert activations_of(session).stats()["policies"] == ["recompute"] * 2
+    losses = []
+    for step in range(4):
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = loss_fn(model, step, device)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        opt.synchronize()
-        streamed = session.report()["weight_streaming"]
-        policies = activations_of(session).stats()["policies"]
-        events = [e["message"] for e in session.report()["events"]]
-        plan = session.plan
-        unwrap(model)
-        return losses, streamed, policies, events, plan
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 0 and after_first_step is not None:
+            after_first_step(session, opt)
+    opt.synchronize()
+    report = session.report()
+    policies = activations_of(session).stats()["policies"]
+    unwrap(model)
+    events = [e["message"] for e in report["events"]]
+    return losses, report["weight_streaming"], policies, events, session.plan
 
-    losses, streamed, policies, events, plan = run()
+
+def _check_switched_run(refined: tuple, given: tuple) -> None:
+    """The refined run stopped streaming both blocks and keeps both blocks' activations; the run under the
+    same plan given switched nothing; their losses match."""
+    losses, streamed, policies, events, plan = refined
     line = next(m for m in events if m.startswith("measured first step"))
     assert "blocks 0-1 STOP STREAMING" in line and "blocks 0-1 KEEP their activations" in line, line
-    assert policies == ["keep"] * 2 and streamed["streamed_ever"] == [0, 1]
+    assert policies == ["keep"] * 2 and streamed["streamed_ever"] == [0, 1] and streamed["streamed"] == []
     assert plan.streamed_blocks and all(b.activations == "recompute" for b in plan.blocks)
-    given_losses, given_streamed, given_policies, _, _ = run(plan)
+    given_losses, given_streamed, given_policies, _, _ = given
     assert given_policies == ["recompute"] * 2 and given_streamed["changes"] == []
     assert max(abs(a - b) for a, b in zip(losses, given_losses)) < 1e-6, (losses, given_losses)
+
+
+def test_frozen_blocks_stop_streaming_and_recomputed_blocks_keep_by_a_simulated_measurement(monkeypatch):
+    """On the CPU, the refinement run by hand after the first step over a plan that streams and recomputes
+    every block, the device's memory simulated (1 GiB used of 140 GiB): the frozen blocks stop streaming,
+    the recomputed blocks keep their activations, and training matches the same plan left as it is."""
+    from tidal_plan import HardwareProfile, PlanConfig, census, plan
+
+    model = make_model()
+    for name, q in model.blocks.named_parameters():
+        q.requires_grad_("norm" in name)
+    p = plan(
+        census(model, blocks=model.blocks),
+        HardwareProfile.synthetic(vram_budget_bytes="100GiB", host_ram_bytes=100 * 10**9),
+        PlanConfig(param_offload=True, recompute=True, activation_offload=False),
+    )
+    given = _lora_like_run("cpu", plan=p)
+    used = {
+        "max_memory_allocated": GiB,
+        "memory_allocated": GiB,
+        "max_memory_reserved": GiB,
+        "memory_reserved": GiB,
+    }
+    for name, value in used.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 140 * GiB))
+    refined = _lora_like_run(
+        "cpu", lambda session, opt: refine_after_first_step(session, opt, 0, None), plan=p
+    )
+    _check_switched_run(refined, given)
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_blocks_stop_streaming_and_recomputed_blocks_keep_after_the_first_step():
+    """On CUDA, every block streamed and recomputed by request, planned for the default 4,096 tokens while
+    the batch is 64: after the first update the measured room (the whole device) stops streaming the frozen
+    blocks and keeps every recomputed block's activations. The losses match the same run under its plan
+    given (``plan=``: nothing switches)."""
+    refined = _lora_like_run("cuda", param_offload=True, recompute=True, activation_offload=False)
+    _check_switched_run(refined, _lora_like_run("cuda", plan=refined[4]))
 
 
 @pytest.mark.gpu

@@ -397,19 +397,21 @@ def test_after_first_update_runs_once(one_rank_group: None) -> None:
 def test_offloaded_activations_that_fit_are_kept_after_the_first_step(one_rank_group: None) -> None:
     """One rank on CUDA, every block's activations offloaded by request: after the first update the measured
     room (the whole GPU) keeps them on the device; the loss is the same as with offloading (bit-identical
-    copies of the same tensors)."""
+    copies of the same tensors). With the frozen bases streamed by request too, the same room first stops
+    streaming them (every block), with the same losses (the same weights, read from the device)."""
     from tidal_stream import memory_report, unwrap, wrap
 
     losses = {}
-    for name, offload in (("offload", True), ("keep", False)):
+    runs = (("offload", True, False), ("keep", False, False), ("streamed", True, True))
+    for name, offload, streamed in runs:
         model = worker.PoolNet().cuda()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=worker.LORA_LR)
         model, opt = wrap(
             model,
             opt,
-            distributed=DistributedConfig(timeout=30.0),
+            distributed=DistributedConfig(timeout=30.0, peer_pooling=False),
             blocks="blocks",
-            param_offload=False,
+            param_offload=streamed,
             recompute=False,
             activation_offload=offload,
         )
@@ -422,14 +424,19 @@ def test_offloaded_activations_that_fit_are_kept_after_the_first_step(one_rank_g
             opt.step()
             opt.zero_grad()
             losses[name].append(loss.item())
-        events = [e["message"] for e in memory_report(model)["events"]]
+        report = memory_report(model)
+        events = [e["message"] for e in report["events"]]
         if offload:
             line = next(m for m in events if m.startswith("measured first step"))
             assert "blocks 0-3 KEEP their activations on the device" in line, line
+            assert ("blocks 0-3 STOP STREAMING" in line) == streamed, line
+            if streamed:
+                ws = report["weight_streaming"]
+                assert ws["streamed_ever"] == [0, 1, 2, 3] and ws["streamed"] == [], ws
         else:
             assert not any(m.startswith("measured first step") for m in events)
         unwrap(model)
-    assert losses["offload"] == losses["keep"]
+    assert losses["offload"] == losses["keep"] == losses["streamed"]
 
 
 def test_dp_option_errors(one_rank_group: None) -> None:

@@ -15,6 +15,7 @@ from tidal_stream import session_of, unwrap, wrap
 from tidal_stream.placement import (
     device_share,
     device_state_bytes,
+    host_updated_blocks,
     keep_activations_after_first_step,
     keep_offloaded_activations,
     keep_recomputed_activations,
@@ -641,11 +642,13 @@ def test_frozen_streamed_blocks_stop_streaming_earliest_first_while_they_fit():
     trained = nn.Parameter(torch.empty(1, device="meta"))
     streaming = _Streaming({**{id(t): i for i, t in frozen.items()}, id(trained): 10}, int(530.5 * MiB))
     opt = _Opt([trained], {id(trained)}, [])
-    blocks, nbytes = unstream_frozen_blocks(opt, streaming, 3 * GiB)
+    updated = host_updated_blocks(opt, streaming)
+    assert updated == {10} and host_updated_blocks(opt, None) == frozenset()
+    blocks, nbytes = unstream_frozen_blocks(streaming, 3 * GiB, updated)
     assert blocks == [9, 11, 12, 13, 14] and nbytes == 5 * int(530.5 * MiB)
     assert streaming.streamed == [10, *range(15, 48)]
-    assert unstream_frozen_blocks(opt, streaming, 0) == ([], 0)
-    assert unstream_frozen_blocks(opt, None, 3 * GiB) == ([], 0)
+    assert unstream_frozen_blocks(streaming, 0, updated) == ([], 0)
+    assert unstream_frozen_blocks(None, 3 * GiB) == ([], 0)
 
 
 def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(monkeypatch):
@@ -668,4 +671,27 @@ def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(mon
         assert n == 15 and data["unstreamed"] == list(range(9, 9 + n))
         assert streaming.streamed == list(range(9 + n, 48)) and "blocks 9-23 STOP STREAMING" in msg
         left = room - n * int(530.5 * MiB)
+        assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))
+
+
+def test_data_parallel_stops_streaming_frozen_blocks_before_keeping_activations(monkeypatch):
+    """Under data parallel every streamed weight is frozen: the measured room (7.93 GiB) stops streaming 15
+    blocks of 530.5 MiB, earliest first, and the rest keeps the last offloaded blocks' activations; with a
+    peer pool (unstream=False) every block keeps streaming and the room goes to activations alone."""
+    for unstream in (True, False):
+        frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
+        streaming = _Streaming({id(t): i for i, t in frozen.items()}, int(530.5 * MiB))
+        acts = _Acts([50 * MiB] * 48)
+        session, _opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+        session.extensions.append(streaming)
+        keep_activations_after_first_step(session, foreign, int(23.7 * GiB), unstream)
+        _, msg, data = session.events[-1]
+        room = int(23.7 * GiB) - int(0.1 * 23.7 * GiB) - int(13.4 * GiB)
+        if not unstream:
+            assert streaming.streamed == list(range(9, 48)) and data["unstreamed"] == []
+            assert len(data["activations_kept"]) == 48 and "STOP STREAMING" not in msg
+            continue
+        assert data["unstreamed"] == list(range(9, 24)) and streaming.streamed == list(range(24, 48))
+        assert "blocks 9-23 STOP STREAMING (7.77 GiB of frozen weights" in msg
+        left = room - 15 * int(530.5 * MiB)
         assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))

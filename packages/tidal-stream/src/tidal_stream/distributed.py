@@ -303,9 +303,11 @@ def host_ram_share(available: int, local_world: int, shared_bytes: int = 0) -> i
 
 
 def _measure_first_step(session: Any, model: nn.Module, opt: Any, budget: int | None, pool: Any) -> None:
-    """Arm the measured refinement of activations: the plan sized them for its token count, not the real
-    batch; after the first step the offloaded blocks that fit the measured room keep theirs on the device.
-    The peer pool's buffer is this model's (it counts against the budget), not foreign."""
+    """Arm the measured refinement: the plan sized weights and activations for its token count, not the
+    real batch; after the first step blocks of frozen weights that fit the measured room stop streaming
+    (not with a peer pool: every rank must keep serving the blocks it pools), then offloaded and recomputed
+    blocks keep their activations on the device. The peer pool's buffer is this model's (it counts
+    against the budget), not foreign."""
     from tidal_stream.placement import foreign_device_bytes, keep_activations_after_first_step
 
     dev = session.device
@@ -316,7 +318,8 @@ def _measure_first_step(session: Any, model: nn.Module, opt: Any, budget: int | 
     # (weights streamed out, resident ones in) would count as this model's use
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
-    opt._after_first_update = lambda: keep_activations_after_first_step(session, foreign, budget)
+    unstream = pool is None or not pool.decision.on  # pooled blocks must keep streaming on every rank
+    opt._after_first_update = lambda: keep_activations_after_first_step(session, foreign, budget, unstream)
 
 
 def _host_reads(session: Any, model: nn.Module) -> list[torch.Tensor]:
@@ -483,7 +486,7 @@ def wrap_distributed(
         ``(model, optimizer)`` with a :class:`~tidal_stream.sharded_optimizer.ShardedHostAdamW`.
     """
     from tidal_stream.peer_pool import install_peer_pool
-    from tidal_stream.placement import activations_to_refine
+    from tidal_stream.placement import activations_to_refine, streams_weights
     from tidal_stream.session import Session
     from tidal_stream.sharded_optimizer import ShardedHostAdamW
     from tidal_stream.shared_host import SharedHostCopy
@@ -579,7 +582,11 @@ def wrap_distributed(
         session.close()
         raise
     session.extensions.append(_DistributedExtension(ctx, shared, opt, pool))
-    if device.type == "cuda" and opts.plan is None and activations_to_refine(session):
+    if (
+        device.type == "cuda"
+        and opts.plan is None
+        and (activations_to_refine(session) or streams_weights(session))
+    ):
         _measure_first_step(session, model, opt, opts.vram_budget_bytes, pool)
     setattr(model, _ATTR, session)
     session.record(

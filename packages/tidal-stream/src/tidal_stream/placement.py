@@ -50,12 +50,14 @@ __all__ = [
     "device_share",
     "device_state_bytes",
     "has_first_step_refinement",
+    "host_updated_blocks",
     "keep_activations_after_first_step",
     "keep_offloaded_activations",
     "keep_recomputed_activations",
     "measured_room",
     "promote_to_device",
     "refine_after_first_step",
+    "streams_weights",
     "unstream_frozen_blocks",
     "widen_workspace",
 ]
@@ -390,7 +392,9 @@ def refine_after_first_step(
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
     chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
-    frozen, frozen_bytes = unstream_frozen_blocks(opt, streaming, room - total)
+    frozen, frozen_bytes = unstream_frozen_blocks(
+        streaming, room - total, host_updated_blocks(opt, streaming)
+    )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
     # a given plan's activation choices stand, as its streamed blocks do
@@ -450,20 +454,32 @@ def measured_room(dev: torch.device, foreign: int, budget: int | None) -> tuple[
     return peak_alloc, used, room, _headroom(budget) if budget is not None else _headroom(usable)
 
 
-def keep_activations_after_first_step(session: Any, foreign: int, budget: int | None) -> None:
+def keep_activations_after_first_step(
+    session: Any, foreign: int, budget: int | None, unstream: bool = True
+) -> None:
     """After the first step under data parallel (the optimizer is sharded on the host whatever the room):
-    keep on the device the offloaded activations that fit the measured room (:func:`measured_room`)."""
+    in the measured room (:func:`measured_room`), blocks streaming frozen weights stop streaming
+    (``unstream``; every weight a data-parallel rank streams is frozen: trained ones stay resident), then
+    offloaded and recomputed blocks keep their activations on the device."""
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
-    kept, kept_bytes = keep_activations(session, room)
+    frozen, frozen_bytes = unstream_frozen_blocks(_streaming_of(session) if unstream else None, room)
+    kept, kept_bytes = keep_activations(session, room - frozen_bytes)
     session.record(
         "placement",
         f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
         + _room_text(budget, room, headroom)
+        + (
+            f"; blocks {block_ranges(frozen)} STOP STREAMING ({frozen_bytes / 2**30:.2f} GiB of frozen weights "
+            "stay on the device)"
+            if frozen
+            else ""
+        )
         + (kept_text(kept, kept_bytes) if kept else "; every offloaded or recomputed block stays so"),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
         budget=budget,
+        unstreamed=frozen,
         activations_kept=kept,
         activations_kept_bytes=kept_bytes,
     )
@@ -478,31 +494,35 @@ def _room_text(budget: int | None, room: int, headroom: int) -> str:
 def has_first_step_refinement(session: Any, opt: Any) -> bool:
     """The measured refinement has something to move: host optimizer state, offloaded or recomputed
     activations, or streamed blocks."""
+    return bool(opt.host_slots() or activations_to_refine(session) or streams_weights(session))
+
+
+def streams_weights(session: Any) -> bool:
+    """Some block of the session streams its weights now."""
     streaming = _streaming_of(session)
-    return bool(
-        opt.host_slots()
-        or activations_to_refine(session)
-        or (streaming is not None and streaming.weights.streamed)
-    )
+    return streaming is not None and bool(streaming.weights.streamed)
 
 
-def unstream_frozen_blocks(opt: Any, streaming: Any, room: int) -> tuple[list[int], int]:
+def unstream_frozen_blocks(
+    streaming: Any, room: int, updated: frozenset[int] = frozenset()
+) -> tuple[list[int], int]:
     """Stop streaming the blocks whose streamed weights are all frozen while their bytes fit ``room``.
 
     A LoRA base streams without any optimizer state of its own, so :func:`device_share` never reaches it;
     with no host update to wait for, its host copy is current and the block can stay on the device. Earlier
     blocks go first, in forward order, as :func:`device_share` moves its units.
 
+    Args:
+        streaming: the weight-streaming extension, or None (nothing streams, or it must keep streaming).
+        room: device bytes the blocks may take.
+        updated: blocks whose streamed weights the host optimizer updates (:func:`host_updated_blocks`):
+            they keep streaming.
+
     Returns:
         The blocks that stopped streaming, and their weight bytes.
     """
     if streaming is None or room <= 0:
         return [], 0
-    updated = {
-        b
-        for s in opt.host_slots()
-        if s.host_weight is not None and (b := streaming.streamed_block_of(s.param)) is not None
-    }
     chosen: list[int] = []
     total = 0
     for i in streaming.weights.streamed:
@@ -513,6 +533,17 @@ def unstream_frozen_blocks(opt: Any, streaming: Any, room: int) -> tuple[list[in
         total += nbytes
     streaming.unstream(chosen)
     return chosen, total
+
+
+def host_updated_blocks(opt: Any, streaming: Any) -> frozenset[int]:
+    """Streamed blocks with a weight the host optimizer updates (its host copy is the one written)."""
+    if streaming is None:
+        return frozenset()
+    return frozenset(
+        b
+        for s in opt.host_slots()
+        if s.host_weight is not None and (b := streaming.streamed_block_of(s.param)) is not None
+    )
 
 
 def _headroom(nbytes: int) -> int:

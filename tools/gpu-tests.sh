@@ -4,7 +4,8 @@
 # tests-integration/ and benchmarks/tests/ with TIDAL_REQUIRE_GPU=1, writes one merged JUnit XML (junit.xml), the full log
 # (gpu-suite.log) and the summary (summary.txt) under $OUT when set — three files, since the GPU machine
 # returns only a few — and prints a per-package passed/failed/time table last. Extra arguments go to
-# every pytest call. GPU_SUITE_TARGETS (space-separated directories) narrows the run.
+# every pytest call. GPU_SUITE_TARGETS (space-separated directories) narrows the run. Carry .whl/ to test
+# against bitsandbytes too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -13,6 +14,12 @@ parts=$(mktemp -d)  # per-package JUnit files and logs, merged into $out at the 
 mkdir -p "$out"
 export TIDAL_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$(ls -d "$root"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
+# bitsandbytes from .whl/ when carried (the NF4 byte-compatibility test needs it; the machine has no network):
+# into a target directory on PYTHONPATH, as gpu-bench.sh does, since pip may serve another environment
+if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tidal-test-peers .whl/bitsandbytes-*.whl 2>/dev/null \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/tidal-test-peers"
+fi
 # tidal-testing is loaded as a plugin explicitly unless it is pip-installed (its entry point loads it then)
 plugin=(-p tidal_testing.plugin)
 if python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'tidal_testing' for e in m.entry_points(group='pytest11')) else 1)"; then

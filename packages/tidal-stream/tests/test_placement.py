@@ -635,12 +635,31 @@ def test_recomputed_activations_need_a_census_of_the_same_stack_and_a_measured_i
     assert keep_recomputed_activations(session, 0) == ([], 0)
 
 
+def _frozen_streaming(first: int = 9, extra: dict[int, int] | None = None) -> _Streaming:
+    """LoRA exact's streaming: blocks ``first``-47 stream frozen bases of 530.5 MiB (``extra``: more tensor
+    ids and their blocks)."""
+    frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(first, 48)}
+    block_of = {id(t): i for i, t in frozen.items()} | (extra or {})
+    streaming = _Streaming(block_of, int(530.5 * MiB))
+    streaming.frozen = frozen  # the tensors live as long as the stub (ids stay unique)
+    return streaming
+
+
+def _lora14b_streaming_frozen(monkeypatch) -> tuple:
+    """:func:`_lora14b_at_24gib` with offloaded activations of 50 MiB per block and blocks 9-47 streaming
+    frozen bases. Returns the session, optimizer, foreign bytes, streaming stub and activation stub."""
+    streaming = _frozen_streaming()
+    acts = _Acts([50 * MiB] * 48)
+    session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
+    session.extensions.append(streaming)
+    return session, opt, foreign, streaming, acts
+
+
 def test_frozen_streamed_blocks_stop_streaming_earliest_first_while_they_fit():
     """LoRA exact: blocks 9-47 stream frozen bases of 530.5 MiB; a block whose streamed weight the host
     optimizer updates (block 10) stays streaming. 3 GiB of room hold five blocks: 9, 11, 12, 13, 14."""
-    frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
     trained = nn.Parameter(torch.empty(1, device="meta"))
-    streaming = _Streaming({**{id(t): i for i, t in frozen.items()}, id(trained): 10}, int(530.5 * MiB))
+    streaming = _frozen_streaming(extra={id(trained): 10})
     opt = _Opt([trained], {id(trained)}, [])
     updated = host_updated_blocks(opt, streaming)
     assert updated == {10} and host_updated_blocks(opt, None) == frozenset()
@@ -655,11 +674,7 @@ def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(mon
     """The 7.93 GiB of room go to frozen blocks first (15 of 530.5 MiB), the rest to offloaded activations;
     a given plan (keep_streamed) leaves its streamed blocks and activations alone."""
     for given in (False, True):
-        frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
-        streaming = _Streaming({id(t): i for i, t in frozen.items()}, int(530.5 * MiB))
-        acts = _Acts([50 * MiB] * 48)
-        session, opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
-        session.extensions.append(streaming)
+        session, opt, foreign, streaming, _acts = _lora14b_streaming_frozen(monkeypatch)
         budget = int(23.7 * GiB)
         refine_after_first_step(session, opt, foreign, budget, keep_streamed=given)
         _, msg, data = session.events[-1]
@@ -679,11 +694,7 @@ def test_data_parallel_stops_streaming_frozen_blocks_before_keeping_activations(
     blocks of 530.5 MiB, earliest first, and the rest keeps the last offloaded blocks' activations; with a
     peer pool (unstream=False) every block keeps streaming and the room goes to activations alone."""
     for unstream in (True, False):
-        frozen = {i: nn.Parameter(torch.empty(1, device="meta"), requires_grad=False) for i in range(9, 48)}
-        streaming = _Streaming({id(t): i for i, t in frozen.items()}, int(530.5 * MiB))
-        acts = _Acts([50 * MiB] * 48)
-        session, _opt, foreign = _lora14b_at_24gib(monkeypatch, acts)
-        session.extensions.append(streaming)
+        session, _opt, foreign, streaming, _acts = _lora14b_streaming_frozen(monkeypatch)
         keep_activations_after_first_step(session, foreign, int(23.7 * GiB), unstream)
         _, msg, data = session.events[-1]
         room = int(23.7 * GiB) - int(0.1 * 23.7 * GiB) - int(13.4 * GiB)

@@ -11,6 +11,7 @@ data parallel's first-step measurement.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -66,20 +67,11 @@ def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]
         The blocks switched, and their measured bytes.
     """
     acts = activations_of(session)
-    if acts is None or room <= 0:
+    if acts is None:
         return [], 0
     stats = acts.stats()
     measured = stats["block_offloaded_bytes"]
-    kept: list[int] = []
-    total = 0
-    for i in reversed(range(len(stats["policies"]))):
-        nbytes = measured[i]
-        if stats["policies"][i] != "offload" or not nbytes or total + nbytes > room:
-            continue
-        acts.set_policy(i, "keep")
-        kept.append(i)
-        total += nbytes
-    return sorted(kept), total
+    return _keep_last_first(acts, stats["policies"], "offload", room, lambda i: measured[i])
 
 
 def keep_recomputed_activations(session: Any, room: int) -> tuple[list[int], int]:
@@ -95,20 +87,40 @@ def keep_recomputed_activations(session: Any, room: int) -> tuple[list[int], int
     """
     acts = activations_of(session)
     census = getattr(session, "census", None)
-    if acts is None or census is None or room <= 0:
+    if acts is None or census is None:
         return [], 0
     stats = acts.stats()
-    policies, inputs = stats["policies"], stats["block_input_bytes"]
-    if len(census.blocks) != len(policies):
+    inputs = stats["block_input_bytes"]
+    if len(census.blocks) != len(stats["policies"]):
         return [], 0  # the census counted another stack than the handle's: no estimate to trust
+
+    def estimate(i: int) -> int:
+        b = census.blocks[i]
+        if not b.input_bytes_per_token:
+            return 0
+        return -(-inputs[i] * b.activation_bytes_per_token // b.input_bytes_per_token)
+
+    return _keep_last_first(acts, stats["policies"], "recompute", room, estimate)
+
+
+def _keep_last_first(
+    acts: Any, policies: list[str], policy: str, room: int, nbytes_of: Callable[[int], int]
+) -> tuple[list[int], int]:
+    """Switch the blocks whose policy (in ``policies``, the handle's now) is ``policy`` to ``keep``, last
+    first, while their bytes (``nbytes_of(i)``; 0: unknown, left as they are) fit in ``room`` together.
+
+    Returns:
+        The blocks switched, and their bytes.
+    """
+    if room <= 0:
+        return [], 0
     kept: list[int] = []
     total = 0
     for i in reversed(range(len(policies))):
-        b = census.blocks[i]
-        if policies[i] != "recompute" or not inputs[i] or not b.input_bytes_per_token:
+        if policies[i] != policy:
             continue
-        nbytes = -(-inputs[i] * b.activation_bytes_per_token // b.input_bytes_per_token)
-        if total + nbytes > room:
+        nbytes = nbytes_of(i)
+        if not nbytes or total + nbytes > room:
             continue
         acts.set_policy(i, "keep")
         kept.append(i)
@@ -128,6 +140,7 @@ def block_ranges(idx: list[int]) -> str:
 
 
 def kept_text(kept: list[int], kept_bytes: int) -> str:
+    """The decision log's words for blocks switched to keeping their activations ("" when none)."""
     if not kept:
         return ""
     return (

@@ -112,6 +112,11 @@ def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Pa
     if "model_device" in cfg:
         options["device"] = device  # the model is elsewhere: wrap() moves what stays resident here
     model, opt = wrap(model, opt, distributed=dcfg, **options)
+    if cfg.get("keep_streaming"):
+        # the baseline streams every block every step, as a pooled run must (its blocks never stop
+        # streaming), so both runs fetch the same blocks; without pooling the first step's room would
+        # otherwise stop streaming them
+        opt._after_first_update = None
     per, losses = GLOBAL_BATCH // world, []
     for step in range(LORA_STEPS):
         x = lora_batch(step)[rank * per : (rank + 1) * per].to(device)  # [per, 256]

@@ -609,13 +609,24 @@ def _pool_runs(tmp: pathlib.Path, mode: object, **cfg: object) -> tuple[list[dic
     from tidal_stream.peer_pool import PEER_CONTEXT_BYTES
 
     runs = []
-    for name, pooling in (("off", False), ("on", mode)):
+    # the unpooled baseline keeps streaming every block; the pooled run's own refinement stays armed (it
+    # must leave the pooled blocks streaming: equal fetch counts check it)
+    for name, pooling, keep in (("off", False, True), ("on", mode, False)):
         (tmp / name).mkdir()
         # room for one block per GPU (after the peer's context): blocks 0 and 1 pool, 2 and 3 stay on host
         room = PEER_CONTEXT_BYTES + _BLOCK + 4096
         # 45 s a launch (two ranks' cold CUDA start is ~5-15 s each, in parallel): both launches stay within
         # the GPU suite's 100 s per test, so a slow rank fails here with its log rather than in a timeout
-        res = launch("pool", 2, tmp / name, limit_s=45.0, peer_pooling=pooling, peer_pool_bytes=room, **cfg)
+        res = launch(
+            "pool",
+            2,
+            tmp / name,
+            limit_s=45.0,
+            peer_pooling=pooling,
+            peer_pool_bytes=room,
+            keep_streaming=keep,
+            **cfg,
+        )
         _ok(res)
         runs.append(res)
     return runs[0], runs[1]

@@ -7,6 +7,7 @@ from tidal_plan.errors import InfeasiblePlan, PlanConfigError, PlanError
 from tidal_plan.hardware import UNLIMITED, HardwareProfile, profile_hardware
 from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan, StepPrediction, compare_prediction
 from tidal_plan.planner import plan
+from tidal_plan.predict import predict
 from tidal_plan.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan",
+    "predict",
     "profile_hardware",
 ]

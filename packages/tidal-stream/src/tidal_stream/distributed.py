@@ -412,8 +412,10 @@ def _plan_share(
             "gathers them there), so the plan keeps every block resident",
         )
     try:
-        session.plan = plan(c, profile, PlanConfig(**cfg))
-        session.census = c  # the measured refinement sizes recomputed blocks' activations from it
+        config = PlanConfig(**cfg)
+        session.plan = plan(c, profile, config)
+        # the measured refinement sizes activations by the census and predicts with the plan's cost model
+        session.census, session.profile, session.plan_config = c, profile, config
     except InfeasiblePlan as e:
         if not full:
             raise

@@ -11,10 +11,10 @@ data parallel's first-step measurement.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "activation_candidates",
     "activations_of",
     "activations_to_refine",
     "block_ranges",
@@ -49,9 +49,7 @@ def keep_activations(session: Any, room: int) -> tuple[list[int], int]:
     Returns:
         The blocks switched to ``keep``, and their (measured or estimated) bytes.
     """
-    kept, nbytes = keep_offloaded_activations(session, room)
-    more, more_bytes = keep_recomputed_activations(session, room - nbytes)
-    return sorted(kept + more), nbytes + more_bytes
+    return _keep(session, room, activation_candidates(session))
 
 
 def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]:
@@ -66,12 +64,7 @@ def keep_offloaded_activations(session: Any, room: int) -> tuple[list[int], int]
     Returns:
         The blocks switched, and their measured bytes.
     """
-    acts = activations_of(session)
-    if acts is None:
-        return [], 0
-    stats = acts.stats()
-    measured = stats["block_offloaded_bytes"]
-    return _keep_last_first(acts, stats["policies"], "offload", room, lambda i: measured[i])
+    return _keep(session, room, activation_candidates(session, ("offload",)))
 
 
 def keep_recomputed_activations(session: Any, room: int) -> tuple[list[int], int]:
@@ -85,42 +78,54 @@ def keep_recomputed_activations(session: Any, room: int) -> tuple[list[int], int
     Returns:
         The blocks switched, and their estimated bytes.
     """
-    acts = activations_of(session)
-    census = getattr(session, "census", None)
-    if acts is None or census is None:
-        return [], 0
-    stats = acts.stats()
-    inputs = stats["block_input_bytes"]
-    if len(census.blocks) != len(stats["policies"]):
-        return [], 0  # the census counted another stack than the handle's: no estimate to trust
+    return _keep(session, room, activation_candidates(session, ("recompute",)))
 
-    def estimate(i: int) -> int:
+
+def activation_candidates(
+    session: Any, policies: tuple[str, ...] = ("offload", "recompute")
+) -> list[tuple[int, int]]:
+    """``(block, bytes)`` of the blocks that could keep their activations, in the order they are switched:
+    offloaded ones last block first (bytes measured by the first step), then recomputed ones last block
+    first (bytes estimated: the measured input bytes times the census' kept-to-input bytes per token).
+    Blocks of unknown bytes are left out; recomputed ones need ``session.census`` of the handle's stack."""
+    acts = activations_of(session)
+    if acts is None:
+        return []
+    stats = acts.stats()
+    now = stats["policies"]
+    census = getattr(session, "census", None)
+    inputs = stats["block_input_bytes"]
+
+    def recomputed_bytes(i: int) -> int:
+        if census is None or len(census.blocks) != len(now):
+            return 0  # the census counted another stack than the handle's: no estimate to trust
         b = census.blocks[i]
         if not b.input_bytes_per_token:
             return 0
         return -(-inputs[i] * b.activation_bytes_per_token // b.input_bytes_per_token)
 
-    return _keep_last_first(acts, stats["policies"], "recompute", room, estimate)
+    bytes_of = {"offload": lambda i: stats["block_offloaded_bytes"][i], "recompute": recomputed_bytes}
+    out = []
+    for policy in policies:
+        for i in reversed(range(len(now))):
+            nbytes = bytes_of[policy](i) if now[i] == policy else 0
+            if nbytes:
+                out.append((i, nbytes))
+    return out
 
 
-def _keep_last_first(
-    acts: Any, policies: list[str], policy: str, room: int, nbytes_of: Callable[[int], int]
-) -> tuple[list[int], int]:
-    """Switch the blocks whose policy (in ``policies``, the handle's now) is ``policy`` to ``keep``, last
-    first, while their bytes (``nbytes_of(i)``; 0: unknown, left as they are) fit in ``room`` together.
+def _keep(session: Any, room: int, candidates: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Switch the ``candidates`` (``(block, bytes)``, in order) to ``keep`` while their bytes fit in
+    ``room`` together; one that does not fit is skipped, the next may.
 
     Returns:
         The blocks switched, and their bytes.
     """
-    if room <= 0:
-        return [], 0
+    acts = activations_of(session)
     kept: list[int] = []
     total = 0
-    for i in reversed(range(len(policies))):
-        if policies[i] != policy:
-            continue
-        nbytes = nbytes_of(i)
-        if not nbytes or total + nbytes > room:
+    for i, nbytes in candidates:
+        if total + nbytes > room:
             continue
         acts.set_policy(i, "keep")
         kept.append(i)

@@ -33,6 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_stream.device_share import (
+    device_share,
+    device_state_bytes,
+    prefix_that_fits,
+    promote_to_device,
+    share_units,
+    widen_workspace,
+)
 from tidal_stream.kept_activations import (
     activations_to_refine,
     block_ranges,
@@ -42,6 +50,7 @@ from tidal_stream.kept_activations import (
     kept_text,
 )
 from tidal_stream.options import WrapOptions
+from tidal_stream.room_split import activation_reserve, blocks_of_params
 
 __all__ = [
     "Placement",
@@ -115,7 +124,8 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
         cfg["batch_tokens"] = opts.batch_tokens
     if opts.loss_chunk_tokens is not None:
         cfg["loss_chunk_tokens"] = opts.loss_chunk_tokens
-    return c, plan(c, profile, PlanConfig(**cfg))
+    config = PlanConfig(**cfg)
+    return c, plan(c, profile, config), profile, config
 
 
 def _from_plan(model: nn.Module, p: Any, c: Any, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -159,7 +169,7 @@ def decide_placement(
         from tidal_plan import PlanConfigError
 
         try:
-            c, p = _make_plan(model, opts, session.device)
+            c, p, session.profile, session.plan_config = _make_plan(model, opts, session.device)
         except PlanConfigError as e:
             if opts.blocks is not None or e.option != "blocks":
                 raise  # blocks= was given and is wrong: the user must fix it
@@ -244,99 +254,6 @@ def _no_plan_placement(
     return Placement([], moment, refine=True)
 
 
-def device_state_bytes(t: torch.Tensor, moment_itemsize: int) -> int:
-    """Device bytes that keeping ``t``'s optimizer there costs: moments, a gradient, an fp32 master if 16-bit."""
-    n = t.numel()
-    return 2 * n * moment_itemsize + n * t.element_size() + (0 if t.dtype == torch.float32 else 4 * n)
-
-
-def widen_workspace(params: list[Any]) -> int:
-    """Device bytes of the fp32 gradient copies the device update makes at once for ``params``: batches of
-    at most ``_WIDEN_BATCH_BYTES``, each at least one tensor (``optimizer_device._widen_batches``)."""
-    from tidal_stream.optimizer_device import _WIDEN_BATCH_BYTES
-
-    sizes = [4 * t.numel() for t in params if t.dtype != torch.float32]
-    return max(min(sum(sizes), _WIDEN_BATCH_BYTES), max(sizes, default=0))
-
-
-def device_share(
-    slots: list[Any],
-    room: float,
-    moment_itemsize: int,
-    streaming: Any = None,
-    on_device: list[Any] = (),  # type: ignore[assignment]
-) -> tuple[list[nn.Parameter], int]:
-    """Host slots to move to the device within ``room`` bytes, in forward (parameter) order.
-
-    The earliest parameters are chosen: their updates are needed first by the next forward, while the
-    host updates the later ones as their gradients land first in backward. A streamed weight moves only
-    with its whole block, which then stops streaming (its weight bytes count too); that needs
-    ``streaming`` (the weight-streaming extension, ``streamed_block_of`` / ``block_nbytes``), without it
-    streamed weights stay. The cost of a parameter is :func:`device_state_bytes` (moments, its gradient
-    kept until ``step()``, an fp32 master); the growth of the device update's widening workspace over
-    that of ``on_device`` (the parameters already updated there) is counted too.
-
-    Returns:
-        The parameters and their total device bytes (workspace growth included).
-    """
-    units: list[tuple[list[Any], int]] = []  # (slots, extra weight bytes), in forward order
-    of_block: dict[int, list[Any]] = {}
-    for s in sorted(slots, key=lambda s: s.index):
-        if s.host_weight is None:
-            units.append(([s], 0))
-            continue
-        blk = streaming.streamed_block_of(s.param) if streaming is not None else None
-        if blk is None:
-            continue  # streamed by something that cannot stop streaming it: its optimizer stays on the host
-        if blk in of_block:
-            of_block[blk].append(s)
-        else:
-            of_block[blk] = [s]
-            units.append((of_block[blk], streaming.weights.block_nbytes(blk)))
-    base = list(on_device)
-    ws0 = widen_workspace(base)
-    chosen: list[nn.Parameter] = []
-    fixed = 0  # state, gradients and weights of the chosen units
-    for unit, extra in units:
-        cost = extra + sum(device_state_bytes(s.param, moment_itemsize) for s in unit)
-        params = [s.param for s in unit]
-        grow = widen_workspace(base + chosen + params) - ws0
-        if fixed + cost + grow > room:
-            break
-        chosen += params
-        fixed += cost
-    return chosen, fixed + widen_workspace(base + chosen) - ws0 if chosen else 0
-
-
-def promote_to_device(opt: Any, params: list[nn.Parameter], streaming: Any = None) -> tuple[int, list[int]]:
-    """Move the optimizer of host-placed ``params`` to the device; streamed blocks among them stop streaming.
-
-    Pending updates finish first, so the host copies the un-streamed blocks are filled from are current.
-
-    Returns:
-        The number of tensors moved and the stack indices of the blocks that stopped streaming.
-    """
-    opt.synchronize()  # why: an un-streamed block is filled from its host copy; pending updates write it
-    wanted = {id(p) for p in params}
-    slots = [s for s in opt.host_slots() if id(s.param) in wanted]
-    blocks = sorted(
-        {
-            b
-            for s in slots
-            if s.host_weight is not None and (b := streaming.streamed_block_of(s.param)) is not None
-        }
-        if streaming is not None
-        else set()
-    )
-    if blocks:
-        streaming.unstream(blocks)
-        for s in opt.host_slots():  # every slot of those blocks, also any not moved to the device
-            if s.host_weight is not None and streaming.streamed_block_of(s.param) is None:
-                # the weight is on the device for good now: its updates go there, not to the host copy
-                s.host_weight = None
-    return opt.move_to_device(params), blocks
-
-
 def _streaming_of(session: Any) -> Any:
     """The session's weight-streaming extension (None when no block streams)."""
     for ext in session.extensions:
@@ -390,10 +307,27 @@ def refine_after_first_step(
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
     streaming = None if keep_streamed else _streaming_of(session)
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
-    chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
+    units = share_units(opt.host_slots(), opt.moment_dtype.itemsize, streaming, on_device)
+    updated = host_updated_blocks(opt, streaming)
+
+    def weight_moves(r: int) -> tuple[set[Any], set[int], int]:
+        params, total = prefix_that_fits(units, r)
+        promoted = (
+            {b for p in params if (b := streaming.streamed_block_of(p)) is not None} if streaming else set()
+        )
+        frozen, frozen_bytes = frozen_blocks_that_fit(streaming, r - total, updated | promoted)
+        return blocks_of_params(session, params), promoted | set(frozen), total + frozen_bytes
+
+    split = activation_reserve(
+        session, room, _streamed_now(session), _host_blocks(session, opt), weight_moves
+    )
+    weights_room = room - (split.reserve if split else 0)
+    chosen, total = device_share(
+        opt.host_slots(), weights_room, opt.moment_dtype.itemsize, streaming, on_device
+    )
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
     frozen, frozen_bytes = unstream_frozen_blocks(
-        streaming, room - total, host_updated_blocks(opt, streaming)
+        streaming, weights_room - total, host_updated_blocks(opt, streaming)
     )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
@@ -420,7 +354,8 @@ def refine_after_first_step(
         )
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)")
-        + kept_text(kept, kept_bytes),
+        + kept_text(kept, kept_bytes)
+        + (split.text() if split else ""),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -432,6 +367,28 @@ def refine_after_first_step(
         activations_kept=kept,
         activations_kept_bytes=kept_bytes,
     )
+
+
+def _streamed_now(session: Any) -> list[int]:
+    """The blocks streaming their weights now."""
+    streaming = _streaming_of(session)
+    return [] if streaming is None else list(streaming.weights.streamed)
+
+
+def _host_blocks(session: Any, opt: Any) -> set[Any]:
+    """The census blocks whose parameters the host optimizer updates (None: outside the stack); asked only
+    when the room is split by the cost model (a plan made by wrap())."""
+    if getattr(session, "plan_config", None) is None:
+        return set()
+    return blocks_of_params(session, [s.param for s in opt.host_slots()])
+
+
+def _trained_blocks(session: Any) -> set[Any]:
+    """The census blocks with trained parameters (data parallel updates them all on the host); asked only
+    when the room is split by the cost model (a plan made by wrap())."""
+    if getattr(session, "plan_config", None) is None:
+        return set()
+    return blocks_of_params(session, [p for p in session.model.parameters() if p.requires_grad])
 
 
 def measured_room(dev: torch.device, foreign: int, budget: int | None) -> tuple[int, int, int, int]:
@@ -462,7 +419,14 @@ def keep_activations_after_first_step(
     (``unstream``; every weight a data-parallel rank streams is frozen: trained ones stay resident), then
     offloaded and recomputed blocks keep their activations on the device."""
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
-    frozen, frozen_bytes = unstream_frozen_blocks(_streaming_of(session) if unstream else None, room)
+    streaming = _streaming_of(session) if unstream else None
+
+    def weight_moves(r: int) -> tuple[set[Any], set[int], int]:
+        frozen, frozen_bytes = frozen_blocks_that_fit(streaming, r)
+        return set(), set(frozen), frozen_bytes
+
+    split = activation_reserve(session, room, _streamed_now(session), _trained_blocks(session), weight_moves)
+    frozen, frozen_bytes = unstream_frozen_blocks(streaming, room - (split.reserve if split else 0))
     kept, kept_bytes = keep_activations(session, room - frozen_bytes)
     session.record(
         "placement",
@@ -474,7 +438,8 @@ def keep_activations_after_first_step(
             if frozen
             else ""
         )
-        + (kept_text(kept, kept_bytes) if kept else "; every offloaded or recomputed block stays so"),
+        + (kept_text(kept, kept_bytes) if kept else "; every offloaded or recomputed block stays so")
+        + (split.text() if split else ""),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
@@ -521,6 +486,16 @@ def unstream_frozen_blocks(
     Returns:
         The blocks that stopped streaming, and their weight bytes.
     """
+    chosen, total = frozen_blocks_that_fit(streaming, room, updated)
+    if chosen:
+        streaming.unstream(chosen)
+    return chosen, total
+
+
+def frozen_blocks_that_fit(
+    streaming: Any, room: int, updated: frozenset[int] = frozenset()
+) -> tuple[list[int], int]:
+    """The blocks :func:`unstream_frozen_blocks` would stop streaming (nothing changes), and their bytes."""
     if streaming is None or room <= 0:
         return [], 0
     chosen: list[int] = []
@@ -531,7 +506,6 @@ def unstream_frozen_blocks(
             continue
         chosen.append(i)
         total += nbytes
-    streaming.unstream(chosen)
     return chosen, total
 
 

@@ -61,6 +61,10 @@ class Session:
         self.plan: object | None = None
         # the tidal_plan census the plan was made from (per-block bytes per token), when there is one
         self.census: object | None = None
+        # the machine and the options wrap()'s plan was made with: the measured refinement asks the same
+        # cost model (tidal_plan.predict) about the real batch; None when a plan was given
+        self.profile: object | None = None
+        self.plan_config: object | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.h2d_bytes = 0
         self.d2h_bytes = 0

@@ -708,8 +708,8 @@ def test_data_parallel_stops_streaming_frozen_blocks_before_keeping_activations(
         assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))
 
 
-# ------------------------------------------------------------------ the room split by the plan's cost model
-def _split_session(monkeypatch, h2d_gbps: float) -> tuple:
+# ------------------------------------------------------------------ the cost model on the refined placement
+def _predicting_session(monkeypatch, h2d_gbps: float) -> tuple:
     """TinyGPT's 4 frozen blocks streaming (2 GiB each, as the streaming stub counts them) and recomputing
     (1.5 GiB of activations each, estimated from the measured input), the 7.93 GiB room of
     :func:`_lora14b_at_24gib`, and the plan, census, profile and options of a plan made by wrap() on a
@@ -735,44 +735,36 @@ def _split_session(monkeypatch, h2d_gbps: float) -> tuple:
 
 
 @pytest.mark.parametrize("data_parallel", [False, True])
-def test_room_goes_to_activations_first_when_the_link_hides_the_weights(monkeypatch, data_parallel):
-    """A link so fast that streamed blocks cost nothing: the cost model holds the room for the recomputed
-    activations first (4 x 1.5 GiB of 7.93 GiB), and no 2 GiB block fits what is left."""
-    session, opt, foreign, streaming, acts = _split_session(monkeypatch, h2d_gbps=1e6)
-    if data_parallel:
-        keep_activations_after_first_step(session, foreign, int(23.7 * GiB))
-    else:
-        refine_after_first_step(session, opt, foreign, int(23.7 * GiB))
-    _, msg, data = session.events[-1]
-    assert acts.policies == ["keep"] * 4 and data["activations_kept"] == [0, 1, 2, 3]
-    assert streaming.streamed == [0, 1, 2, 3] and data["unstreamed"] == []
-    assert "room split by the cost model at the measured" in msg and "6.00 GiB held for activations" in msg
-
-
-@pytest.mark.parametrize("data_parallel", [False, True])
-def test_room_goes_to_weights_first_when_the_link_is_the_bottleneck(monkeypatch, data_parallel):
-    """A link so slow that every streamed block costs seconds: the weights take the room first (3 blocks
-    of 2 GiB), the 1.93 GiB left keeps the last block's activations, as without a cost model."""
-    session, opt, foreign, streaming, acts = _split_session(monkeypatch, h2d_gbps=1e-6)
-    if data_parallel:
-        keep_activations_after_first_step(session, foreign, int(23.7 * GiB))
-    else:
-        refine_after_first_step(session, opt, foreign, int(23.7 * GiB))
-    _, msg, data = session.events[-1]
-    assert streaming.streamed == [3] and data["unstreamed"] == [0, 1, 2]
-    assert acts.policies == ["recompute"] * 3 + ["keep"] and data["activations_kept"] == [3]
-    assert "0.00 GiB held for activations first" in msg
-    # the same state without the plan's options (a plan given as plan=): no split, the same weights-first
-    session, opt, foreign, streaming, acts = _split_session(monkeypatch, h2d_gbps=1e6)
+def test_refinement_reports_the_cost_model_at_the_measured_tokens(monkeypatch, data_parallel):
+    """The room (7.93 GiB) stops streaming 3 blocks of 2 GiB, the last block keeps its 1.5 GiB of
+    activations; the log adds the cost model's step of that placement at the measured tokens, which the
+    one block still streaming makes longer on a slow link than on a fast one."""
+    steps = []
+    for gbps in (1e6, 1e-8):
+        session, opt, foreign, streaming, acts = _predicting_session(monkeypatch, gbps)
+        if data_parallel:
+            keep_activations_after_first_step(session, foreign, int(23.7 * GiB))
+        else:
+            refine_after_first_step(session, opt, foreign, int(23.7 * GiB))
+        _, msg, data = session.events[-1]
+        assert streaming.streamed == [3] and data["unstreamed"] == [0, 1, 2]
+        assert acts.policies == ["recompute"] * 3 + ["keep"] and data["activations_kept"] == [3]
+        tokens = int(1.5 * GiB / (session.census.blocks[0].activation_bytes_per_token))
+        assert f"the cost model predicts {data['predicted_step_s'] * 1e3:.0f} ms per step" in msg
+        assert f"at the measured {tokens} tokens" in msg
+        steps.append(data["predicted_step_s"])
+    assert 0 < steps[0] < steps[1]
+    # without the plan's options (a plan given as plan=) there is nothing to predict with
+    session, opt, foreign, *_ = _predicting_session(monkeypatch, 50.0)
     session.plan_config = None
     refine_after_first_step(session, opt, foreign, int(23.7 * GiB))
-    assert streaming.streamed == [3] and "room split" not in session.events[-1][1]
+    assert session.events[-1][2]["predicted_step_s"] is None and "cost model" not in session.events[-1][1]
 
 
 def test_measured_tokens_come_from_the_input_bytes(monkeypatch):
-    from tidal_stream.room_split import measured_tokens
+    from tidal_stream.refined_prediction import measured_tokens
 
-    session, *_ = _split_session(monkeypatch, h2d_gbps=50.0)
+    session, *_ = _predicting_session(monkeypatch, h2d_gbps=50.0)
     per = session.census.blocks[0].input_bytes_per_token
     session.extensions[0].activations.input_bytes = [0, 512 * per, 0, 0]
     assert measured_tokens(session) == 512

@@ -17,7 +17,6 @@ from torch import nn
 __all__ = [
     "device_share",
     "device_state_bytes",
-    "prefix_that_fits",
     "promote_to_device",
     "share_units",
     "widen_workspace",
@@ -69,12 +68,10 @@ def device_share(
     Returns:
         The parameters and their total device bytes (workspace growth included).
     """
-    return prefix_that_fits(share_units(slots, moment_itemsize, streaming, on_device), room)
+    return _prefix(share_units(slots, moment_itemsize, streaming, on_device), room)
 
 
-def prefix_that_fits(
-    units: list[tuple[list[nn.Parameter], int]], room: float
-) -> tuple[list[nn.Parameter], int]:
+def _prefix(units: list[tuple[list[nn.Parameter], int]], room: float) -> tuple[list[nn.Parameter], int]:
     """The leading units of :func:`share_units` that fit ``room``: their parameters and bytes."""
     chosen: list[nn.Parameter] = []
     total = 0

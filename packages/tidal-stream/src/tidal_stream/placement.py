@@ -36,9 +36,7 @@ from torch import nn
 from tidal_stream.device_share import (
     device_share,
     device_state_bytes,
-    prefix_that_fits,
     promote_to_device,
-    share_units,
     widen_workspace,
 )
 from tidal_stream.kept_activations import (
@@ -50,7 +48,7 @@ from tidal_stream.kept_activations import (
     kept_text,
 )
 from tidal_stream.options import WrapOptions
-from tidal_stream.room_split import activation_reserve, blocks_of_params
+from tidal_stream.refined_prediction import blocks_of_params, predicted_step, prediction_text
 
 __all__ = [
     "Placement",
@@ -307,27 +305,10 @@ def refine_after_first_step(
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
     streaming = None if keep_streamed else _streaming_of(session)
     on_device = [p for p, _ in getattr(opt, "_gpu", {}).values()]  # updated on the device already
-    units = share_units(opt.host_slots(), opt.moment_dtype.itemsize, streaming, on_device)
-    updated = host_updated_blocks(opt, streaming)
-
-    def weight_moves(r: int) -> tuple[set[Any], set[int], int]:
-        params, total = prefix_that_fits(units, r)
-        promoted = (
-            {b for p in params if (b := streaming.streamed_block_of(p)) is not None} if streaming else set()
-        )
-        frozen, frozen_bytes = frozen_blocks_that_fit(streaming, r - total, updated | promoted)
-        return blocks_of_params(session, params), promoted | set(frozen), total + frozen_bytes
-
-    split = activation_reserve(
-        session, room, _streamed_now(session), _host_blocks(session, opt), weight_moves
-    )
-    weights_room = room - (split.reserve if split else 0)
-    chosen, total = device_share(
-        opt.host_slots(), weights_room, opt.moment_dtype.itemsize, streaming, on_device
-    )
+    chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
     frozen, frozen_bytes = unstream_frozen_blocks(
-        streaming, weights_room - total, host_updated_blocks(opt, streaming)
+        streaming, room - total, host_updated_blocks(opt, streaming)
     )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
@@ -355,11 +336,12 @@ def refine_after_first_step(
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)")
         + kept_text(kept, kept_bytes)
-        + (split.text() if split else ""),
+        + prediction_text(predicted := predicted_step(session, streamed_left, _host_blocks(session, opt))),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
         budget=budget,
+        predicted_step_s=predicted[1] if predicted else None,
         device_bytes=total,
         unstreamed=unstreamed,
         streamed=streamed_left,
@@ -377,7 +359,7 @@ def _streamed_now(session: Any) -> list[int]:
 
 def _host_blocks(session: Any, opt: Any) -> set[Any]:
     """The census blocks whose parameters the host optimizer updates (None: outside the stack); asked only
-    when the room is split by the cost model (a plan made by wrap())."""
+    for the cost model's prediction (a plan made by wrap())."""
     if getattr(session, "plan_config", None) is None:
         return set()
     return blocks_of_params(session, [s.param for s in opt.host_slots()])
@@ -385,7 +367,7 @@ def _host_blocks(session: Any, opt: Any) -> set[Any]:
 
 def _trained_blocks(session: Any) -> set[Any]:
     """The census blocks with trained parameters (data parallel updates them all on the host); asked only
-    when the room is split by the cost model (a plan made by wrap())."""
+    for the cost model's prediction (a plan made by wrap())."""
     if getattr(session, "plan_config", None) is None:
         return set()
     return blocks_of_params(session, [p for p in session.model.parameters() if p.requires_grad])
@@ -419,14 +401,7 @@ def keep_activations_after_first_step(
     (``unstream``; every weight a data-parallel rank streams is frozen: trained ones stay resident), then
     offloaded and recomputed blocks keep their activations on the device."""
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
-    streaming = _streaming_of(session) if unstream else None
-
-    def weight_moves(r: int) -> tuple[set[Any], set[int], int]:
-        frozen, frozen_bytes = frozen_blocks_that_fit(streaming, r)
-        return set(), set(frozen), frozen_bytes
-
-    split = activation_reserve(session, room, _streamed_now(session), _trained_blocks(session), weight_moves)
-    frozen, frozen_bytes = unstream_frozen_blocks(streaming, room - (split.reserve if split else 0))
+    frozen, frozen_bytes = unstream_frozen_blocks(_streaming_of(session) if unstream else None, room)
     kept, kept_bytes = keep_activations(session, room - frozen_bytes)
     session.record(
         "placement",
@@ -439,12 +414,15 @@ def keep_activations_after_first_step(
             else ""
         )
         + (kept_text(kept, kept_bytes) if kept else "; every offloaded or recomputed block stays so")
-        + (split.text() if split else ""),
+        + prediction_text(
+            predicted := predicted_step(session, _streamed_now(session), _trained_blocks(session))
+        ),
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
         budget=budget,
         unstreamed=frozen,
+        predicted_step_s=predicted[1] if predicted else None,
         activations_kept=kept,
         activations_kept_bytes=kept_bytes,
     )
@@ -486,16 +464,6 @@ def unstream_frozen_blocks(
     Returns:
         The blocks that stopped streaming, and their weight bytes.
     """
-    chosen, total = frozen_blocks_that_fit(streaming, room, updated)
-    if chosen:
-        streaming.unstream(chosen)
-    return chosen, total
-
-
-def frozen_blocks_that_fit(
-    streaming: Any, room: int, updated: frozenset[int] = frozenset()
-) -> tuple[list[int], int]:
-    """The blocks :func:`unstream_frozen_blocks` would stop streaming (nothing changes), and their bytes."""
     if streaming is None or room <= 0:
         return [], 0
     chosen: list[int] = []
@@ -506,6 +474,7 @@ def frozen_blocks_that_fit(
             continue
         chosen.append(i)
         total += nbytes
+    streaming.unstream(chosen)
     return chosen, total
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -131,6 +132,30 @@ def quality_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_PREDICTED = re.compile(
+    r"the cost model predicts (\d+) ms per step of this placement at the measured (\d+) tokens"
+)
+
+
+def prediction_table(rows: list[dict[str, Any]]) -> str:
+    """tidal's rows whose notes carry the cost model's step of the refined placement at the measured
+    tokens (the first step's decision line): predicted against measured. '' when no row has one."""
+    lines = [
+        "| scenario | engine | tokens/step | predicted (ms) | measured (ms) | measured/predicted |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m = _PREDICTED.search(" ".join(r.get("engine_notes") or []))
+        if m is None or r.get("outcome") != "ok" or not r.get("step_s"):
+            continue
+        predicted, measured = int(m.group(1)), 1e3 * r["step_s"]
+        lines.append(
+            f"| {r.get('scenario', '')} | {r.get('label', r.get('engine', ''))} | {m.group(2)} | {predicted} | "
+            f"{measured:.0f} | {_fmt(measured / predicted, 2) if predicted else '—'} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """A horizontal bar chart of step time per engine, one panel per scenario (failed runs labelled)."""
     import matplotlib
@@ -189,6 +214,17 @@ def render_doc(
     parts.append(markdown_tables(compare_rows) if compare_rows else "_no results yet_")
     if chart:
         parts += ["", f"![step time per engine]({chart})"]
+    predicted = prediction_table(compare_rows)
+    if predicted:
+        parts += [
+            "",
+            "## tidal's cost model at the measured batch",
+            "",
+            "After its first step tidal logs what `tidal_plan.predict` expects of the placement it ends with, at",
+            "the tokens that step measured (the plan itself was sized for 4,096); here against the measured step.",
+            "",
+            predicted,
+        ]
     parts += ["", "## Perplexity per storage format (`benchmarks/quality.py`)", ""]
     if quality_rows:
         meta = quality_rows[0]

@@ -150,3 +150,28 @@ def test_latest_row_per_engine_wins() -> None:
     other = {"scenario": "lora14b", "engine": "stock", "outcome": "OOM", "time": "2026-11-29T11:00:00+00:00"}
     assert report.latest([old, other, new]) == [other, new]
     assert report.latest([new, old]) == [new]
+
+
+def test_prediction_table_sets_the_logged_prediction_beside_the_measured_step():
+    note = (
+        "measured first step: peak 9.44 GiB allocated; blocks 0-47 KEEP their activations; the cost model "
+        "predicts 588 ms per step of this placement at the measured 512 tokens"
+    )
+    rows = [
+        {
+            "scenario": "lora14b",
+            "engine": "tidal-nf4",
+            "label": "tidal NF4",
+            "outcome": "ok",
+            "step_s": 0.603,
+            "engine_notes": ["tidal plan: ...", note],
+        },
+        {"scenario": "lora14b", "engine": "bnb-nf4", "outcome": "ok", "step_s": 0.494},  # a peer: no notes
+        {"scenario": "lora14b", "engine": "tidal", "outcome": "OOM", "step_s": None, "engine_notes": [note]},
+    ]
+    table = report.prediction_table(rows)
+    assert table.splitlines()[2:] == ["| lora14b | tidal NF4 | 512 | 588 | 603 | 1.03 |"]
+    assert report.prediction_table(rows[1:]) == ""
+    doc = report.render_doc(rows, [], None)
+    assert "## tidal's cost model at the measured batch" in doc and "| lora14b | tidal NF4 | 512 |" in doc
+    assert "cost model at the measured batch" not in report.render_doc(rows[1:], [], None)

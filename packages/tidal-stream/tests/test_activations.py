@@ -584,23 +584,30 @@ def test_copy_back_dropped_unread_orders_buffer_reuse_after_the_copy():
     assert waits == []
 
 
+def _keep_after_each_step(ref, model, device, h, counter: str, blocks: tuple[int, ...]) -> list[int]:
+    """Three exact steps against ``ref``; after each, record ``h.stats()[counter]`` and switch ``blocks``
+    to keep (what wrap()'s measured refinement does after the first step). Returns the recorded counts."""
+    import contextlib
+
+    seen: list[int] = []
+
+    @contextlib.contextmanager
+    def after_step():
+        yield
+        seen.append(h.stats()[counter])
+        for i in blocks:
+            h.set_policy(i, "keep")
+
+    compare_steps(ref, model, device, torch.float32, on_step=after_step, steps=3)
+    return seen
+
+
 @pytest.mark.parametrize("device", devices())
 def test_offload_switched_to_keep_between_steps_stays_exact(device):
     """What wrap()'s measured refinement does after the first step: offloaded blocks start keeping."""
-    import contextlib
-
     ref, model = make(torch.float32, device)
     h = install_activation_policy(model.layers, ["offload"] * 4, device=device, min_offload_bytes=0)
-    seen = []
-
-    @contextlib.contextmanager
-    def after_first_step():
-        yield
-        seen.append(h.stats()["offloaded_tensors"])
-        for i in (2, 3):
-            h.set_policy(i, "keep")
-
-    compare_steps(ref, model, device, torch.float32, on_step=after_first_step, steps=3)
+    seen = _keep_after_each_step(ref, model, device, h, "offloaded_tensors", (2, 3))
     per_block = seen[0] // 4
     assert per_block > 0 and seen[1] - seen[0] == 2 * per_block  # blocks 2 and 3 no longer copy
     assert h.stats()["policies"] == ["offload", "offload", "keep", "keep"]
@@ -610,20 +617,9 @@ def test_offload_switched_to_keep_between_steps_stays_exact(device):
 def test_recompute_switched_to_keep_between_steps_stays_exact_and_inputs_measured(device):
     """The refinement's other switch: recomputed blocks start keeping. Each block's main input is measured
     in grad mode (the steps' [2, 8, 32] floats: 2,048 bytes), not in a no-grad forward."""
-    import contextlib
-
     ref, model = make(torch.float32, device)
     h = install_activation_policy(model.layers, ["recompute"] * 4, device=device)
-    seen = []
-
-    @contextlib.contextmanager
-    def after_first_step():
-        yield
-        seen.append(h.stats()["recomputed_forwards"])
-        for i in (1, 3):
-            h.set_policy(i, "keep")
-
-    compare_steps(ref, model, device, torch.float32, on_step=after_first_step, steps=3)
+    seen = _keep_after_each_step(ref, model, device, h, "recomputed_forwards", (1, 3))
     assert seen[0] == 4 and seen[1] - seen[0] == 2  # blocks 1 and 3 no longer run twice
     assert h.stats()["block_input_bytes"] == [2 * 8 * 32 * 4] * 4
     with torch.no_grad():

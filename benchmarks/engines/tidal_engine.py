@@ -162,12 +162,14 @@ _WRAPPED: list[nn.Module] = []  # the model of this engine process's run, for no
 
 
 def notes() -> list[str]:
-    """The wrapped run's plan and its measured refinement, as tidal's decision log has them."""
+    """The wrapped run's plan, its measured refinement and its CUDA graphs, as tidal's decision log has them."""
     from tidal_stream import memory_report
 
     if not _WRAPPED:
         return []
     events = memory_report(_WRAPPED[0])["events"]
     return [
-        e["message"] for e in events if e["kind"] == "plan" or e["message"].startswith("measured first step")
+        e["message"]
+        for e in events
+        if e["kind"] in ("plan", "graphs") or e["message"].startswith("measured first step")
     ]

@@ -237,6 +237,7 @@ class ActivationHandle:
         self._seq = 0
         self._ctx: list[list[Any]] = [[] for _ in self.blocks]  # entered contexts, per block
         self._recomputing = [False] * len(self.blocks)
+        self._delegated: set[int] = set()  # blocks whose forward another mechanism runs (delegate())
         self._block_bytes = [0] * len(self.blocks)  # offloaded bytes of each block's latest forward
         self._input_bytes = [0] * len(self.blocks)  # bytes of each block's main input, latest forward
         self._stats = dict.fromkeys(
@@ -268,6 +269,26 @@ class ActivationHandle:
             )
 
     # ----------------------------------------------------------------------------------- policy
+    def delegate(self, i: int, delegated: bool = True) -> None:
+        """Block ``i``'s recompute is left to whoever runs its forward (its CUDA graph replays recompute in
+        backward, ``tidal_stream.block_graphs``), who calls :meth:`checkpointed` when it runs eagerly;
+        ``delegated=False`` gives it back to the hooks."""
+        (self._delegated.add if delegated else self._delegated.discard)(i)
+
+    def checkpointed(
+        self, i: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``fn(*args, **kwargs)`` as block ``i``'s forward under the recompute policy (what the hooks do)."""
+        gen = _checkpoint_generator(
+            self.blocks[i], lambda: (contextlib.nullcontext(), _Recomputing(self, i)), args, kwargs
+        )
+        next(gen)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with contextlib.suppress(StopIteration):
+                next(gen)
+
     def set_policy(self, i: int, policy: ActivationPolicy) -> None:
         """Change block ``i``'s policy for the next forwards (not while its forward runs)."""
         self._check(i, policy)
@@ -278,6 +299,8 @@ class ActivationHandle:
             if self._recomputing[i] or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
                 return
             self._input_bytes[i] = _main_input_nbytes(args, kwargs)
+            if i in self._delegated:
+                return
             policy = self.policies[i]
             if policy == "offload":
                 self._block_bytes[i] = 0

@@ -90,6 +90,8 @@ class ReadGuardMixin:
         def guard(module: nn.Module, args: Any) -> None:
             compute = self.session.streams.compute()
             for s in slots:
+                if self._slots.get(id(s.param)) is not s:
+                    continue  # moved to the device (move_to_device synchronized its last host update)
                 s.guarded = True
                 self._wait_ready(s, compute)
             self._wait_unguarded()

@@ -180,6 +180,7 @@ class OffloadStateMixin:
             if s is None or s.host_weight is not None:
                 continue  # streamed weights keep their optimizer on the host
             del self._slots[id(p)]
+            getattr(self, "_unguarded", {}).pop(id(p), None)  # updated on the device now: nothing to wait for
             st = self.state[p]
             master = p.data if p.dtype == torch.float32 else st["master"].to(p.device)
             if p.dtype == torch.float32:

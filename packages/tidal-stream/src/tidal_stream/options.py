@@ -154,6 +154,9 @@ class WrapOptions:
     """(part 2) The layer stack (a ModuleList, a list of modules, or an attribute path); None: auto-detect."""
     attention: str | None = "auto"
     """(part 2) SDPA backend: ``"auto"`` (time once, use the fastest), a backend name, or None (untouched)."""
+    cuda_graphs: bool | Literal["auto"] = "auto"
+    """Replay CUDA graphs of the blocks that stay on the device with their activations kept, from the
+    second step (``tidal_stream.block_graphs``): ``"auto"`` (on CUDA), True (a CUDA device needed), False."""
     distributed: bool | Literal["auto"] | DistributedConfig = "auto"
     """Data parallel (``tidal_stream.distributed``): ``"auto"`` when an initialized process group has more
     than one rank, True (needs one), False (never), or a ``DistributedConfig``; default ``"auto"``."""
@@ -220,6 +223,8 @@ class WrapOptions:
             raise option_error(
                 "loss_chunk_tokens", self.loss_chunk_tokens, "an int >= 1 (the loss's chunk_size), or None"
             )
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise option_error("cuda_graphs", self.cuda_graphs, '"auto", True or False')
         self._check_part2()
         check_distributed_option(self.distributed)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_stream.block_graphs import with_block_graphs
 from tidal_stream.distributed import resolve_distributed, wrap_distributed
 from tidal_stream.errors import NotWrappedError, option_error
 from tidal_stream.oom import install_forward_note
@@ -63,6 +64,8 @@ def _device_of(model: nn.Module, opts: WrapOptions) -> torch.device:
         )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if opts.cuda_graphs is True and dev.type != "cuda":
+        raise option_error("cuda_graphs", True, '"auto" or False on a CPU device', "pass cuda_graphs='auto'.")
     return dev
 
 
@@ -293,6 +296,7 @@ def wrap(
         budget = opts.vram_budget_bytes
         keep = place.keep_streamed
         opt._after_first_update = lambda: refine_after_first_step(session, opt, foreign, budget, keep)
+    opt._after_first_update = with_block_graphs(session, opt, opt._after_first_update)
     setattr(model, _ATTR, session)
     session.record(
         "wrap",

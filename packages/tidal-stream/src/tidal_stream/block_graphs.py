@@ -1,0 +1,417 @@
+"""CUDA graphs of resident blocks: one replay per block forward and one per backward.
+
+At a few hundred tokens per step the GPU finishes a block's kernels faster than Python can launch them:
+a LoRA block of a 14B model is some 300 launches forward and backward, and on the GPU machine a 512-token
+step of a resident NF4 base kept the GPU busy a quarter of the time. A CUDA graph records those launches
+once and replays them with one call.
+
+Which blocks (:func:`graphable_blocks`): after the first step's refinement, blocks whose weights stay on
+the device, whose activations are kept or recomputed (not offloaded), whose trainable parameters are
+updated on the device (no host copy in flight), with no hooks on their submodules other than tidal's own;
+a recomputed block also draws no random numbers (its recompute would not replay dropout's masks).
+
+How: such a block's ``forward`` is replaced by :class:`_Dispatch`. Its first eligible call captures the
+block for exactly those inputs: a forward graph and a backward graph (``torch.autograd.grad`` of the
+outputs, retained so the saved activations stay in the graphs' memory pool), after two warm-up passes on
+a side stream. A recomputed block is captured through a non-reentrant checkpoint: its forward graph
+saves only the inputs and its backward graph recomputes. Every later eligible call copies its inputs into
+the static ones and replays. The outputs are copies, so nothing a caller holds is overwritten by the next
+replay.
+
+A call runs the original forward instead (eagerly; checkpointed by the activation handle when the block
+recomputes) when: grad mode is off or it runs inside a backward (a recompute), autocast or saved-tensor
+hooks are active, its shapes, dtypes, strides, ``requires_grad`` or non-tensor arguments differ from the
+captured call, the block's weights moved, the block's last replay still waits for its backward (a second
+forward before backward: the graph's saved activations are in use), or the capture failed (logged once;
+the block stays eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from tidal_stream.streamed_blocks import StreamingError
+
+__all__ = ["BlockGraphs", "graphable_blocks", "with_block_graphs"]
+
+_WARMUP = 2  # eager passes before capture: lazy initialisations (cuBLAS handles, kernel choices) happen there
+_SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_TENSOR = object()  # a tensor leaf's place in a captured call's arguments
+_MIN_CAPTURE_BYTES = 256 * 2**20  # what the first capture is expected to add at least (margin before it)
+
+
+def _foreign_hooks(block: nn.Module) -> list[str]:
+    """Hooks on ``block``'s submodules that are not tidal's own (they would run once, at capture)."""
+    out = []
+    for name, m in block.named_modules():
+        if m is block:
+            continue  # the block's own hooks run around the dispatcher on every call
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            for fn in getattr(m, kind).values():
+                if not getattr(fn, "__module__", "").startswith("tidal_stream."):
+                    out.append(f"{name}.{kind}")
+    return out
+
+
+class _Replay(torch.autograd.Function):
+    """One replay of a block's forward graph; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: _BlockGraph, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graph, ctx.generation = graph, graph.replay_forward(inputs, ctx)
+        outs = tuple(o.clone() for o in graph.static_out)  # the caller's own copies
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graph.out_diff) if not d))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.graph.replay_backward(ctx.generation, grads))
+
+
+class _BlockGraph:
+    """The captured forward and backward of one block at one input signature."""
+
+    def __init__(
+        self, owner: BlockGraphs, index: int, block: nn.Module, forward: Callable[..., Any], recompute: Any
+    ) -> None:
+        self.owner, self.index, self.block, self.forward = owner, index, block, forward
+        # the activation handle when the block recomputes: its graphs recompute in backward, and an eager
+        # call is checkpointed by the handle as before
+        self.recompute = recompute
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.tensors = [*block.parameters(), *block.buffers()]  # their addresses are baked into the graphs
+        self.failed: str | None = None
+        self.fwd: torch.cuda.CUDAGraph | None = None
+        self.generation = 0
+        self.pending: weakref.ref | None = None  # the autograd node of a replay whose backward has not run
+
+    # ------------------------------------------------------------------------------------------ capture
+    def capture(self, spec: Any, leaves: list[Any], signature: tuple[Any, ...]) -> None:
+        """Warm up, then record the forward and backward graphs for inputs like ``leaves``."""
+        dev = self.owner.device
+        self.signature, self.spec = signature, spec
+        # plain values as given, tensors as placeholders (the call's own tensors are not kept alive)
+        self.leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.ptrs = self._ptrs()
+        self.static_in = [
+            t.detach().clone().requires_grad_(t.requires_grad) for t in leaves if isinstance(t, torch.Tensor)
+        ]
+        diff_in = [t for t in self.static_in if t.requires_grad] + self.params
+        compute = torch.cuda.current_stream(dev)
+        side = self.owner.stream
+        side.wait_stream(compute)  # why: the warm-up reads inputs the compute stream just wrote
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                outs = [o for o in tree_flatten(self._run())[0] if isinstance(o, torch.Tensor)]
+                diff = [o for o in outs if o.requires_grad]
+                torch.autograd.grad(diff, diff_in, [torch.zeros_like(o) for o in diff], allow_unused=True)
+                del outs, diff
+        compute.wait_stream(side)  # why: the capture below must follow the warm-up's kernels
+        pool = self.owner.pool
+        fwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = self._run()
+        out_leaves, self.out_spec = tree_flatten(out)
+        self.out_other = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        self.static_out = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+        self.out_diff = [o.requires_grad for o in self.static_out]
+        diff_out = [o for o in self.static_out if o.requires_grad]
+        self.static_grad_out = [torch.empty_like(o) for o in diff_out]
+        bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+            # retain_graph: the saved activations stay referenced, so no later capture reuses their memory
+            grads = torch.autograd.grad(
+                diff_out, diff_in, self.static_grad_out, retain_graph=True, allow_unused=True
+            )
+        self.static_grad_in = list(grads)
+        self.in_diff = [t.requires_grad for t in self.static_in]
+        self.fwd, self.bwd = fwd, bwd
+
+    def _run(self) -> Any:
+        it = iter(self.static_in)
+        leaves = [next(it) if x is _TENSOR else x for x in self.leaves]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        if self.recompute is None:
+            return self.forward(*args, **kwargs)
+        # saves only the inputs; the backward graph recomputes the rest (no RNG use: see graphable_blocks)
+        return checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's own forward, under its recompute policy when it has one and autograd records."""
+        if self.recompute is None or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return self.forward(*args, **kwargs)
+        return self.recompute.checkpointed(self.index, self.forward, args, kwargs)
+
+    def _ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors)
+
+    # ------------------------------------------------------------------------------------------- replay
+    def busy(self) -> bool:
+        """The last replay's backward has not run and its autograd graph is alive."""
+        return self.pending is not None and self.pending() is not None
+
+    def matches(self, signature: tuple[Any, ...]) -> bool:
+        return signature == self.signature and self._ptrs() == self.ptrs
+
+    def replay_forward(self, inputs: tuple[torch.Tensor, ...], node: Any) -> int:
+        for static, t in zip(self.static_in, inputs):
+            static.copy_(t)
+        self.fwd.replay()
+        self.generation += 1
+        self.pending = weakref.ref(node)
+        self.owner.replays += 1
+        return self.generation
+
+    def replay_backward(self, generation: int, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        if generation != self.generation:
+            raise StreamingError(
+                f"block {self.index}: a backward through an older forward of this block after a newer one "
+                "replayed its CUDA graph (e.g. retain_graph=True across steps); accepted: one backward per "
+                "forward before the next forward. Fix: wrap(..., cuda_graphs=False)."
+            )
+        diff_grads = [g for g, d in zip(grads, self.out_diff) if d]
+        for static, g in zip(self.static_grad_out, diff_grads):
+            if g is None:
+                static.zero_()
+            else:
+                static.copy_(g)
+        self.bwd.replay()
+        self.pending = None
+        it = iter(self.static_grad_in)
+        out = [next(it) if d else None for d in self.in_diff]
+        out += [next(it) for _ in self.params]
+        # [Note: gradients are copied out] a later-captured block's graph may use this graph's output
+        # memory as scratch (replays run in another order than captures). Holding a reference to what is
+        # returned makes autograd copy each parameter gradient into .grad instead of adopting the static
+        # buffer, at once; the input gradient is copied by the previous block before its own replay.
+        self.returned = [None if g is None else g.detach() for g in out]
+        return self.returned
+
+
+class _Dispatch:
+    """The block's ``forward``: replay when the call is eligible (see the module docstring), else eager."""
+
+    def __init__(self, graph: _BlockGraph) -> None:
+        self.graph = graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        g = self.graph
+        dev = g.owner.device
+        if (
+            g.failed is not None
+            or not torch.is_grad_enabled()
+            or torch._C._current_graph_task_id() != -1
+            or torch.is_autocast_enabled(dev.type)
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            or g.busy()
+        ):
+            g.owner.eager_calls += 1
+            return g.eager(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        signature = _signature(spec, leaves, dev)
+        if signature is None or (g.fwd is not None and not g.matches(signature)):
+            g.owner.eager_calls += 1
+            return g.eager(*args, **kwargs)
+        if g.fwd is None and not g.owner.try_capture(g, spec, leaves, signature):
+            return g.eager(*args, **kwargs)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        outs = iter(_Replay.apply(g, *tensors, *g.params))
+        return tree_unflatten([next(outs) if o is None else o for o in g.out_other], g.out_spec)
+
+
+def _signature(spec: Any, leaves: list[Any], device: torch.device) -> tuple[Any, ...] | None:
+    """What a capture depends on; None when a leaf is neither a tensor on ``device`` nor a plain value."""
+    sig: list[Any] = [spec]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.device != device:
+                return None
+            sig.append((x.shape, x.dtype, x.stride(), x.requires_grad))
+        elif isinstance(x, _SIMPLE):
+            sig.append(x)
+        else:
+            return None  # e.g. a KV cache object: its state is not an input a graph can replay
+    return tuple(sig)
+
+
+class BlockGraphs:
+    """CUDA graphs installed on some blocks of a wrapped model; ``remove()`` restores their forwards."""
+
+    def __init__(self, session: Any, blocks: dict[int, tuple[nn.Module, Any]], foreign: int = 0) -> None:
+        self.session = session
+        self.device = session.device
+        self.pool = torch.cuda.graph_pool_handle()  # one pool: the blocks' graphs share its memory
+        # one side stream for every warm-up and capture: its cached temporaries serve the next block's
+        self.stream = torch.cuda.Stream(self.device)
+        self.graphs = {i: _BlockGraph(self, i, b, b.forward, acts) for i, (b, acts) in blocks.items()}
+        self.replays = 0
+        self.eager_calls = 0
+        self._growth = 0  # reserved bytes the last capture added (what the next one is expected to need)
+        self.budget = session.options.vram_budget_bytes
+        self.foreign = foreign  # device bytes allocated that are not this model's (a filler, other models)
+        for g in self.graphs.values():
+            # an instance attribute: nn.Module's __call__ runs it, with the block's own hooks around it
+            g.block.forward = _Dispatch(g)
+            if g.recompute is not None:
+                g.recompute.delegate(g.index)  # its pre-hook no longer checkpoints: the dispatcher decides
+
+    def try_capture(self, g: _BlockGraph, spec: Any, leaves: list[Any], signature: tuple[Any, ...]) -> bool:
+        """Capture ``g`` when the budget has room for it; else, or on failure, leave the block eager."""
+        dev = self.device
+        need = int(1.5 * max(self._growth, _MIN_CAPTURE_BYTES))  # the last capture's growth, with margin
+        free = (
+            torch.cuda.mem_get_info(dev)[0]
+            + torch.cuda.memory_reserved(dev)
+            - torch.cuda.memory_allocated(dev)
+        )
+        ours = torch.cuda.memory_reserved(dev) - self.foreign
+        if need > free or (self.budget is not None and ours + need > self.budget):
+            g.failed = f"no room: {need / 2**20:.0f} MiB more would exceed the budget"
+            self._finish_if_done(signature)
+            return False
+        before = torch.cuda.memory_reserved(dev)
+        for attempt in range(2):
+            try:
+                g.capture(spec, leaves, signature)
+            except Exception as e:  # a kernel that syncs, allocates from the host or is not capturable
+                g.failed = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+                g.fwd = None
+                self.session.record("graphs", f"block {g.index}: {g.failed} (attempt {attempt + 1} of 2)")
+                # a failed capture can leave its pool recording: the next attempt gets a new pool and stream
+                with contextlib.suppress(Exception):  # the capture's own error was recorded above
+                    torch.cuda.synchronize(dev)
+                self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
+            else:
+                g.failed = None
+                self._growth = torch.cuda.memory_reserved(dev) - before
+                break
+        self._finish_if_done(signature)
+        return g.failed is None
+
+    def _finish_if_done(self, signature: tuple[Any, ...]) -> None:
+        """After the last capture: hand back what the warm-ups cached on the side stream, record the outcome."""
+        if not all(g.fwd is not None or g.failed is not None for g in self.graphs.values()):
+            return
+        torch.cuda.empty_cache()
+        from tidal_stream.kept_activations import block_ranges
+
+        captured = [i for i, g in self.graphs.items() if g.fwd is not None]
+        failed: dict[str, list[int]] = {}
+        for i, g in self.graphs.items():
+            if g.failed is not None:
+                failed.setdefault(g.failed, []).append(i)
+        shape = next((tuple(x[0]) for x in signature[1:] if isinstance(x, tuple)), None)
+        self.session.record(
+            "graphs",
+            f"captured CUDA graphs of blocks {block_ranges(captured) or 'none'} at input shape {shape}: each "
+            "forward and backward of them is one replay from now on"
+            + "".join(f"; blocks {block_ranges(ix)} stay eager ({why})" for why, ix in failed.items()),
+            captured=captured,
+            failed={why: ix for why, ix in failed.items()},
+        )
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "cuda_graphs": {
+                "blocks": sorted(self.graphs),
+                "captured": sorted(i for i, g in self.graphs.items() if g.fwd is not None),
+                "replays": self.replays,
+                "eager_calls": self.eager_calls,
+            }
+        }
+
+    def remove(self) -> None:
+        """Restore the original forwards and drop the graphs (their memory pool goes with them)."""
+        for g in self.graphs.values():
+            g.block.__dict__.pop("forward", None)
+            if g.recompute is not None:
+                g.recompute.delegate(g.index, False)
+        self.graphs.clear()
+
+
+def _draws_random(block: nn.Module) -> bool:
+    """Dropout with p > 0 in ``block`` (a module's, or an attention's ``attention_dropout``)."""
+    for m in block.modules():
+        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "attention_dropout", 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            return True
+    return False
+
+
+def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict[str, list[int]]]:
+    """The blocks to graph now (see the module docstring), and the others by the reason they are not."""
+    ext = next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
+    if ext is not None:
+        blocks = ext.blocks
+        streamed = set(ext.weights.streamed) if ext.weights is not None else set()
+        policies = ext.activations.policies if ext.activations is not None else ["keep"] * len(blocks)
+    else:  # nothing streams, offloads, recomputes or routes attention: the stack is found here
+        from tidal_stream.weights import find_blocks
+
+        try:
+            blocks = find_blocks(session.model)
+        except StreamingError:
+            return {}, {}
+        streamed, policies = set(), ["keep"] * len(blocks)
+    host = {id(s.param) for s in opt.host_slots()}
+    chosen: dict[int, tuple[nn.Module, Any]] = {}
+    others: dict[str, list[int]] = {}
+    for i, b in enumerate(blocks):
+        if i in streamed:
+            reason = "their weights stream"
+        elif policies[i] == "offload":
+            reason = "their activations are offloaded"
+        elif policies[i] == "recompute" and _draws_random(b):
+            reason = "they recompute with dropout (the graphs do not replay its random masks)"
+        elif any(id(p) in host for p in b.parameters()):
+            reason = "their optimizer is on the host"
+        elif _foreign_hooks(b):
+            reason = "their submodules carry hooks that are not tidal's"
+        else:
+            chosen[i] = (b, ext.activations if policies[i] == "recompute" else None)
+            continue
+        others.setdefault(reason, []).append(i)
+    return chosen, others
+
+
+def _install(session: Any, opt: Any) -> None:
+    from tidal_stream.kept_activations import block_ranges
+
+    chosen, others = graphable_blocks(session, opt)
+    not_graphed = "; ".join(f"blocks {block_ranges(ix)} stay eager: {why}" for why, ix in others.items())
+    if not chosen:
+        session.record("graphs", "no block is graphed" + (f" ({not_graphed})" if not_graphed else ""))
+        return
+    from tidal_stream.placement import foreign_device_bytes
+
+    foreign = foreign_device_bytes(opt, session.model, session.device)
+    session.extensions.append(BlockGraphs(session, chosen, foreign))
+    session.record(
+        "graphs",
+        f"blocks {block_ranges(sorted(chosen))} run as CUDA graphs of their forward and backward from the "
+        "next step (captured at its first call, replayed while the inputs keep their shapes)"
+        + (f"; {not_graphed}" if not_graphed else ""),
+        blocks=sorted(chosen),
+    )
+
+
+def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """The optimizer's after-first-step callback: ``then`` (the measured refinement, if any), then CUDA
+    graphs on the blocks that qualify (``cuda_graphs`` option; CUDA only)."""
+    if session.options.cuda_graphs is False or session.device.type != "cuda":
+        return then
+
+    def after() -> None:
+        if then is not None:
+            then()
+        _install(session, opt)
+
+    return after

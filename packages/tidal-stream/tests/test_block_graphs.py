@@ -1,0 +1,258 @@
+"""CUDA graphs of resident blocks (``tidal_stream.block_graphs``).
+
+CPU: which blocks qualify and why the others do not, the call signature, the option. GPU: a LoRA Qwen2
+trained with graphs gives the losses and gradients of the same run without them (bit for bit), also with
+a second forward before backward, gradient accumulation, zero_grad(set_to_none=False) and a change of
+sequence length (that call runs eagerly).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from tidal_stream import memory_report, wrap
+from tidal_stream.block_graphs import _BlockGraph, _foreign_hooks, _signature, graphable_blocks
+from tidal_stream.errors import OptionError
+from tidal_testing.numerics import assert_bitwise_equal
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+def _fake_session(blocks, streamed=(), policies=None, host_params=()):
+    ext = types.SimpleNamespace(
+        blocks=blocks,
+        weights=types.SimpleNamespace(streamed=list(streamed)) if streamed else None,
+        activations=types.SimpleNamespace(policies=policies) if policies else None,
+    )
+    opt = types.SimpleNamespace(host_slots=lambda: [types.SimpleNamespace(param=p) for p in host_params])
+    return types.SimpleNamespace(extensions=[ext], model=None), opt
+
+
+def test_graphable_blocks_names_why_the_others_stay_eager():
+    blocks = [nn.Linear(4, 4) for _ in range(7)]
+    blocks[5].register_forward_hook(lambda *a: None)  # a user's hook on the block itself runs every call
+    child = nn.Sequential(nn.Linear(4, 4))
+    child[0].register_forward_pre_hook(lambda *a: None)  # a user's hook inside the block would not
+    blocks[4] = child
+    blocks[6] = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    session, opt = _fake_session(
+        blocks,
+        streamed=[0],
+        policies=["keep", "recompute", "offload", "keep", "keep", "keep", "recompute"],
+        host_params=[blocks[3].weight],
+    )
+    chosen, others = graphable_blocks(session, opt)
+    acts = session.extensions[0].activations
+    assert chosen == {1: (blocks[1], acts), 5: (blocks[5], None)}  # a recomputed block carries its handle
+    assert others == {
+        "their weights stream": [0],
+        "their activations are offloaded": [2],
+        "their optimizer is on the host": [3],
+        "their submodules carry hooks that are not tidal's": [4],
+        "they recompute with dropout (the graphs do not replay its random masks)": [6],
+    }
+
+
+def test_foreign_hooks_ignores_the_blocks_own_and_tidals():
+    block = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    block.register_forward_pre_hook(lambda *a: None)
+    assert _foreign_hooks(block) == []
+    block[1].register_forward_hook(lambda *a: None)
+    assert _foreign_hooks(block) == ["1._forward_hooks"]
+
+
+def test_signature_tracks_shapes_grad_and_plain_values_only():
+    x = torch.zeros(2, 3)
+    spec_leaves = lambda *a, **k: torch.utils._pytree.tree_flatten((a, k))  # noqa: E731
+    leaves, spec = spec_leaves(x, mask=None, use_cache=False)
+    s1 = _signature(spec, leaves, x.device)
+    leaves2, spec2 = spec_leaves(torch.ones(2, 3), mask=None, use_cache=False)
+    assert _signature(spec2, leaves2, x.device) == s1  # values do not matter, shapes do
+    leaves3, spec3 = spec_leaves(torch.ones(2, 4), mask=None, use_cache=False)
+    assert _signature(spec3, leaves3, x.device) != s1
+    leaves4, spec4 = spec_leaves(x.requires_grad_(), mask=None, use_cache=False)
+    assert _signature(spec4, leaves4, x.device) != s1
+    leaves5, spec5 = spec_leaves(x, cache=object())
+    assert _signature(spec5, leaves5, x.device) is None  # an object a replay cannot account for
+
+
+def test_cuda_graphs_option_is_validated():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(OptionError, match="cuda_graphs"):
+        wrap(model, None, lr=1e-3, device="cpu", cuda_graphs="yes")
+    with pytest.raises(OptionError, match="cuda_graphs"):
+        wrap(model, None, lr=1e-3, device="cpu", cuda_graphs=True)
+
+
+def test_no_graphs_on_the_cpu():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model, opt = wrap(model, None, lr=1e-3, device="cpu")
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert "cuda_graphs" not in memory_report(model)
+    assert not [e for e in memory_report(model)["events"] if e["kind"] == "graphs"]
+
+
+def test_a_delegated_recompute_is_checkpointed_by_its_runner():
+    """``ActivationHandle.delegate``: the block's hook no longer checkpoints; ``checkpointed`` (what the
+    graph dispatcher calls when a recomputed block runs eagerly) does, with the same gradients."""
+    from tidal_stream.activations import install_activation_policy
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+    model = copy.deepcopy(ref)
+    h = install_activation_policy(list(model), ["recompute", "recompute"], device="cpu")
+    h.delegate(0)
+    model[0].forward = _BlockGraph(
+        None, 0, model[0], model[0].forward, h
+    ).eager  # the dispatcher's eager path
+    x = torch.randn(4, 8)
+    for m in (ref, model):
+        m(x).square().sum().backward()
+    for pr, pm in zip(ref.parameters(), model.parameters()):
+        assert_bitwise_equal(pr.grad, pm.grad)
+    assert h.stats()["recomputed_forwards"] == 2  # block 0 by checkpointed(), block 1 by its hook
+    h.delegate(0, False)
+    del model[0].forward
+    model(x).square().sum().backward()
+    assert h.stats()["recomputed_forwards"] == 4  # both by their hooks again
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _lora_qwen(layers: int = 3) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    base = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # non-zero, so every adapter gets a gradient from the first step
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.cuda()
+
+
+def _run(
+    graphs: bool,
+    lengths: list[int],
+    *,
+    accumulation: int = 1,
+    double_forward: bool = False,
+    set_to_none: bool = True,
+    recompute: bool = False,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], nn.Module]:
+    """Losses and adapter gradients per micro-step of a wrapped LoRA Qwen2 (weights and state on the GPU)."""
+    model = _lora_qwen()
+    model.config.use_cache = False
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    # one fixed SDPA backend, deterministic in backward: timing could pick a different one per run
+    model, opt = wrap(
+        model,
+        opt,
+        offload=False,
+        cuda_graphs=graphs,
+        accumulation_steps=accumulation,
+        attention="math",
+        recompute=recompute,
+    )
+    losses, grads = [], []
+    for step, n in enumerate(lengths):
+        ids = torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(step)).cuda()
+        if double_forward:  # a second forward before the first's backward (as DPO's chosen/rejected)
+            other = model(input_ids=ids.flip(1), labels=ids.flip(1)).loss
+        loss = model(input_ids=ids, labels=ids).loss
+        if double_forward:
+            loss = loss + 0.5 * other
+        loss.backward()
+        losses.append(loss.detach().float().reshape(1))
+        grads.append([p.grad.detach().float().clone() for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    torch.cuda.synchronize()
+    return losses, grads, model
+
+
+def _graph_events(model: nn.Module) -> list[str]:
+    return [e["message"] for e in memory_report(model)["events"] if e["kind"] == "graphs"]
+
+
+def _same(a, b) -> None:
+    for step, (la, lb) in enumerate(zip(a[0], b[0])):
+        assert_bitwise_equal(la, lb, f"loss of step {step}")
+    for step, (ga, gb) in enumerate(zip(a[1], b[1])):
+        for k, (x, y) in enumerate(zip(ga, gb)):
+            assert_bitwise_equal(x, y, f"gradient {k} of step {step}")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(double_forward=True),
+        dict(accumulation=2),
+        dict(set_to_none=False),
+    ],
+    ids=["plain", "second-forward-before-backward", "accumulation-2", "zero-grad-not-none"],
+)
+def test_graphed_steps_match_eager_steps_bit_for_bit(case):
+    lengths = [16] * 6
+    eager = _run(False, lengths, **case)
+    graphed = _run(True, lengths, **case)
+    _same(eager, graphed)
+    rep = memory_report(graphed[2])["cuda_graphs"]
+    print(case, rep)
+    assert rep["captured"] == [0, 1, 2] and rep["replays"] > 0, _graph_events(graphed[2])
+    assert "cuda_graphs" not in memory_report(eager[2])
+
+
+@pytest.mark.gpu
+@cuda
+def test_recomputed_blocks_replay_their_recompute_bit_for_bit():
+    """Every block recomputes: the backward graph recomputes from the saved inputs; same numbers as the
+    eager checkpointed run, and the handle still counts no recompute of a graphed step."""
+    lengths = [16] * 5
+    eager = _run(False, lengths, recompute=True)
+    graphed = _run(True, lengths, recompute=True)
+    _same(eager, graphed)
+    rep = memory_report(graphed[2])
+    assert rep["cuda_graphs"]["captured"] == [0, 1, 2], _graph_events(graphed[2])
+    assert rep["activations"]["policies"] == ["recompute"] * 3
+    # eager: 5 steps x 3 blocks recomputed; graphed: step 1 eager (3), then the warm-up and replays
+    assert (
+        rep["activations"]["recomputed_forwards"]
+        < memory_report(eager[2])["activations"]["recomputed_forwards"]
+    )
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_new_sequence_length_runs_eagerly_and_matches():
+    lengths = [16, 16, 16, 24, 16]
+    eager = _run(False, lengths)
+    graphed = _run(True, lengths)
+    _same(eager, graphed)
+    rep = memory_report(graphed[2])["cuda_graphs"]
+    assert rep["eager_calls"] >= 3  # the 24-token step's three blocks
+    assert rep["replays"] >= 3 * 3  # three 16-token steps after the capture

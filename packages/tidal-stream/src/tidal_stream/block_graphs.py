@@ -251,6 +251,11 @@ class BlockGraphs:
         self.pool = torch.cuda.graph_pool_handle()  # one pool: the blocks' graphs share its memory
         # one side stream for every warm-up and capture: its cached temporaries serve the next block's
         self.stream = torch.cuda.Stream(self.device)
+        # [Note: first capture] a capture begins by filling the RNG's int64 seed and offset tensors on the
+        # device; with lazily loaded kernels, a process that never filled an int64 tensor loads that kernel
+        # inside the capture, which invalidates it (seen on the GPU machine: the first capture of a fresh
+        # process failed, later ones did not). Loading it here, outside any capture, avoids that.
+        torch.empty(1, dtype=torch.int64, device=self.device).fill_(1)
         self.graphs = {i: _BlockGraph(self, i, b, b.forward, acts) for i, (b, acts) in blocks.items()}
         self.replays = 0
         self.eager_calls = 0

@@ -7,7 +7,8 @@
   LoRA adapters (PEFT) sit on top of the quantized layers.
 - ``fmt="auto"``: ``tidal_hf.load_model(config_dir, quantize="auto", random_weights=True)`` decides
   exact vs quantized by the budget, then the same ``wrap``.
-Every variant passes ``moment_dtype="auto"``: fp32 moments when the plan fits them in host RAM, else bf16.
+Every variant passes ``moment_dtype="auto"``: fp32 moments when the plan fits them in host RAM, else bf16;
+and ``cuda_graphs="auto"``: from the second step the blocks that stay on the device replay CUDA graphs.
 Any missing name shows as an ``error`` row with the import message (the table never loses the row).
 """
 
@@ -149,7 +150,13 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     model.train()
     opt = adamw(model, ctx.lr)
     # moments follow the plan: fp32 when they fit host RAM, else bf16 (full8b on a 128 GB host)
-    options = {"device": ctx.device, "blocks": decoder_layers(model), "moment_dtype": "auto"}
+    # CUDA graphs of the resident blocks (opt-in in wrap(); "auto": on CUDA only, so the CPU smoke runs)
+    options = {
+        "device": ctx.device,
+        "blocks": decoder_layers(model),
+        "moment_dtype": "auto",
+        "cuda_graphs": "auto",
+    }
     if ctx.budget_bytes is not None:
         options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
     model, opt = wrap(model, opt, **options)

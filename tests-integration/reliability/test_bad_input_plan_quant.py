@@ -12,7 +12,17 @@ import dataclasses
 import pytest
 import torch
 from _common import NoStack, make_model
-from _fuzz import bad_bytes, bad_choice, bad_fraction, bad_pos_int, floats_any, fuzz, junk_text, refused
+from _fuzz import (
+    bad_bool,
+    bad_bytes,
+    bad_choice,
+    bad_fraction,
+    bad_pos_int,
+    floats_any,
+    fuzz,
+    junk_text,
+    refused,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -41,6 +51,7 @@ PLAN_VALUES = {
     "master_weights": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
     "seq_len": bad_pos_int(none_ok=True),
     "loss_chunk_tokens": bad_pos_int(none_ok=True),
+    "cuda_graphs": bad_bool(),
 }
 
 

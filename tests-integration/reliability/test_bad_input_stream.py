@@ -66,6 +66,7 @@ OPTION_VALUES = {
         junk_text.filter(lambda s: s not in ("auto", "flash", "efficient", "cudnn", "math")), st.integers()
     ),
     "distributed": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
+    "cuda_graphs": bad_choice(("auto",)).filter(lambda v: not isinstance(v, bool)),
 }
 
 

@@ -88,12 +88,18 @@ class PlanConfig:
     seq_len: int | None = None
     """Tokens per sequence (attention's work grows with it); default ``None`` = ``batch_tokens`` (one
     sequence)."""
+    cuda_graphs: bool = False
+    """The blocks that stay on the device, do not offload their activations and update their optimizer
+    there replay CUDA graphs (tidal-stream's ``cuda_graphs``): their kernels run without host dispatch.
+    Default False."""
     loss_chunk_tokens: int | None = None
     """How the loss reads the LM head's logits: ``None`` = the full ``[batch_tokens, vocab]`` logits are
     built (Hugging Face's ``labels=`` loss: about 12 bytes per logit at its peak); an int = the tokens per
     chunk of ``tidal_stream.chunked_cross_entropy``. Default ``None`` (the conservative count)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise PlanConfigError("cuda_graphs", self.cuda_graphs, "True or False")
         for name in ("vram_budget", "host_ram", "max_inflight_bytes", "headroom_bytes"):
             v = getattr(self, name)
             if v is not None:

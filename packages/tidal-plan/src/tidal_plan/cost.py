@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal_plan.census import BlockCensus, ModelCensus
+from tidal_plan.gemm import KERNEL_OVERHEAD_S, block_matmuls_s, gemm_launches, matmul_rate
 from tidal_plan.hardware import HardwareProfile
 from tidal_plan.param_bytes import adamw_bytes, host_slot_bytes, state_bytes_per_param
 from tidal_plan.plan_types import StepPrediction
@@ -22,9 +23,11 @@ HIDDEN_COST_WEIGHT = 0.1
 HIDDEN_ADAMW_WEIGHT = 0.5
 
 # ---- GPU time (see gpu_time) ----------------------------------------------------------------------------
-# Per kernel: launch gap plus PyTorch's eager dispatch and autograd bookkeeping on the host, which bound
-# short kernels (5-10 us per op on current CPUs; the midpoint-high end, since a step mixes both).
-KERNEL_OVERHEAD_S = 8e-6
+# Inside a replayed CUDA graph a kernel follows the previous one after the device's own launch latency,
+# about 2 us, with no host dispatch; the host spends about 60 us per replay (copying the inputs in, the
+# replay call, copying the outputs out, the autograd node), once per block forward and once per backward.
+GRAPH_KERNEL_GAP_S = 2e-6
+GRAPH_REPLAY_HOST_S = 60e-6
 # Autograd runs about two kernels per forward kernel (a gradient per input, plus the accumulations).
 BACKWARD_KERNELS_PER_FORWARD = 2.0
 # Host time eager PyTorch spends per kernel of a block (Python module code, autograd recording, the
@@ -73,9 +76,6 @@ HOST_UPDATE_PROFILED_BYTES = 40
 # offsets, and the bf16 path is bound by memory traffic like the fp32 one: the two-GPU machine's host
 # (32 threads) took 210.1 ms against 149.0 ms over the same 468 M parameters (0.709; a 2-core host: 0.49).
 HOST_BF16_MOMENTS_RATE_SHARE = 0.1490 / 0.2101
-# fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
-# specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
-FP32_MATMUL_SHARE = 1 / 15
 # Dequantizing a stored weight to bf16 before its matmul writes 2 bytes per weight beyond reading it.
 DEQUANT_WRITE_BYTES = 2
 
@@ -98,6 +98,8 @@ class Context:
     """Tokens per sequence for attention's work (0: all ``tokens`` are one sequence)."""
     loss_chunk: int | None = None
     """Tokens per chunk of a chunked loss, or None when the full logits are built."""
+    graphs: bool = False
+    """Blocks that qualify replay CUDA graphs (``PlanConfig.cuda_graphs``; see :func:`graphed`)."""
     matmul_cache: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Forward and backward matmul seconds per block index (-1: outside the stack); fixed by the census,
     the profile and the tokens, so computed once per search."""
@@ -251,56 +253,17 @@ class GpuTime:
         return self._prefix[i]
 
 
-def _matmul_rate(ctx: Context) -> float:
-    """FLOP/s of the model's matmuls: the profiled bf16 rate under sustained load (the peak rate when the
-    profile has no sustained figure), or its fp32 share for fp32 weights on a GPU."""
-    prof = ctx.profile
-    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
-    fp32_on_gpu = ctx.census.matmul_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
-    return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
-
-
-def _gemm_s(ctx: Context, m: int, k: int, n: int) -> float:
-    """Roofline of one ``[m, k] x [k, n]`` matmul: FLOPs at the peak rate or its operands and result at
-    HBM bandwidth, whichever is longer, plus the per-kernel overhead."""
-    prof, elem = ctx.profile, ctx.census.matmul_dtype_bytes
-    flops_s = 2 * m * k * n / _matmul_rate(ctx)
-    bytes_s = elem * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9)
-    return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S
-
-
-def _matmuls_s(
-    ctx: Context, shapes: tuple[tuple[int, int, bool], ...], matmul: int, frozen: int
-) -> tuple[float, float]:
-    """Forward and backward seconds of a module's matmuls: forward, the input gradient, and the weight
-    gradient of trainable weights (each the same GEMM shape). Without shapes (an old census): the FLOPs
-    of ``matmul`` weights (``frozen`` of them without a weight gradient) at the peak rate."""
-    t = ctx.tokens
-    if not shapes:
-        rate = _matmul_rate(ctx)
-        return 2 * matmul * t / rate, (4 * matmul - 2 * frozen) * t / rate
-    fwd = bwd = 0.0
-    for k, n, trainable in shapes:
-        g = _gemm_s(ctx, t, k, n)
-        fwd += g
-        bwd += g * (2 if trainable else 1)
-    return fwd, bwd
-
-
-def _block_matmuls_s(ctx: Context, index: int) -> tuple[float, float]:
-    """:func:`_matmuls_s` of block ``index`` (-1: the layers outside the stack), cached in ``ctx``."""
-    got = ctx.matmul_cache.get(index)
-    if got is None:
-        c = ctx.census
-        if index < 0:
-            got = _matmuls_s(
-                ctx, c.outside_matmul_shapes, c.outside_matmul_params, c.outside_quantizable_params
-            )
-        else:
-            b = c.blocks[index]
-            got = _matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
-        ctx.matmul_cache[index] = got
-    return got
+def graphed(ctx: Context, s: State, b: BlockCensus) -> bool:
+    """Block ``b`` replays CUDA graphs under ``s``: graphs asked for, on a GPU, its weights resident, its
+    activations kept or recomputed, and its optimizer (if it trains anything) on the GPU."""
+    i = b.index
+    return (
+        ctx.graphs
+        and ctx.profile.device_kind == "cuda"
+        and s.resident[i]
+        and s.act[i] != "offload"
+        and (s.opt_gpu[i] or not b.trainable_params)
+    )
 
 
 def gpu_time(ctx: Context, s: State) -> GpuTime:
@@ -309,11 +272,12 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
     stored weights, and the AdamW update of the parameters kept on the GPU."""
     c, prof, t = ctx.census, ctx.profile, ctx.tokens
     hbm = prof.hbm_gbps * 1e9
-    peak = _matmul_rate(ctx)
+    peak = matmul_rate(ctx)
     ctx_avg = (min(ctx.seq_len or t, t) + 1) / 2  # causal: each query attends to half the sequence
     ew_fwd_share = 1 / (1 + ELEMENTWISE_BACKWARD_PER_FORWARD)
     dequant = s.fmt != "exact" and not (s.fmt == "fp8" and prof.has_fp8_tensor_cores)
     bpw = float(ctx.bytes_per_weight(s.fmt)) if dequant and ctx.bytes_per_weight else 0.0
+    bpw_fp8 = float(ctx.bytes_per_weight("fp8")) if s.fmt == "fp8" and ctx.bytes_per_weight else 1.0
     parts = dict.fromkeys(
         ("matmul", "attention", "elementwise", "launch", "dispatch", "dequant", "loss", "gpu_adamw"), 0.0
     )
@@ -325,24 +289,36 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
     overlapped = prof.device_kind == "cuda"
     for b in c.blocks:
         passes = 2 if s.act[b.index] == "recompute" else 1  # recompute repeats the forward in backward
-        mm_f, mm_b = _block_matmuls_s(ctx, b.index)
+        mm_f, mm_b = block_matmuls_s(ctx, b.index)
         att = 4 * t * b.attention_width * ctx_avg / (ATTENTION_EFFICIENCY * peak)  # QK^T and AV
         ew = ELEMENTWISE_BYTES_PER_SAVED_BYTE * b.activation_bytes_per_token * t / hbm
-        other = max(0, b.forward_kernels - len(b.matmul_shapes)) * KERNEL_OVERHEAD_S
+        gap = GRAPH_KERNEL_GAP_S if graphed(ctx, s, b) else KERNEL_OVERHEAD_S
+        if gap != KERNEL_OVERHEAD_S:  # the GEMMs' launches are graph launches too
+            n_f, n_b = gemm_launches(ctx, b.index)
+            mm_f, mm_b = mm_f - n_f * (KERNEL_OVERHEAD_S - gap), mm_b - n_b * (KERNEL_OVERHEAD_S - gap)
+        other = max(0, b.forward_kernels - len(b.matmul_shapes)) * gap
         # a stored (quantized) weight is dequantized for each use: forward, recompute, input gradient
         dq = b.quantizable_params * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0
+        stored_dq = (b.stored_bytes + b.stored_params * DEQUANT_WRITE_BYTES) / hbm  # stored in the model
+        fp8_grad = 0.0  # FP8 tensor cores multiply fp8 weights as they are; the input gradient dequantizes
         if b.stored_params and not (b.stored_format == "fp8" and prof.has_fp8_tensor_cores):
-            dq += (b.stored_bytes + b.stored_params * DEQUANT_WRITE_BYTES) / hbm  # stored in the model
+            dq += stored_dq
+        elif b.stored_params:
+            fp8_grad += stored_dq
+        if s.fmt == "fp8" and prof.has_fp8_tensor_cores:
+            fp8_grad += b.quantizable_params * (bpw_fp8 + DEQUANT_WRITE_BYTES) / hbm
         f = mm_f + att + ew * ew_fwd_share + other + dq
         parts["matmul"] += mm_f * passes + mm_b
         parts["attention"] += att * (passes + ATTENTION_BACKWARD_PER_FORWARD)
         parts["elementwise"] += ew * (1 + (passes - 1) * ew_fwd_share)
         parts["launch"] += other * (passes + BACKWARD_KERNELS_PER_FORWARD)
-        parts["dequant"] += dq * (passes + 1)
+        parts["dequant"] += dq * (passes + 1) + fp8_grad
         b_gpu = (passes - 1) * f + mm_b + att * ATTENTION_BACKWARD_PER_FORWARD
-        b_gpu += ew * (1 - ew_fwd_share) + other * BACKWARD_KERNELS_PER_FORWARD + dq
+        b_gpu += ew * (1 - ew_fwd_share) + other * BACKWARD_KERNELS_PER_FORWARD + dq + fp8_grad
         host_f = b.forward_kernels * HOST_DISPATCH_S  # 0 when the census could not count kernels
         host_b = host_f * (passes - 1 + BACKWARD_KERNELS_PER_FORWARD)
+        if gap != KERNEL_OVERHEAD_S:
+            host_f = host_b = GRAPH_REPLAY_HOST_S  # the recompute replays inside the backward graph
         wait_f = max(0.0, host_f - f) if overlapped else host_f
         wait_b = max(0.0, host_b - b_gpu) if overlapped else host_b
         parts["dispatch"] += wait_f + wait_b
@@ -352,7 +328,7 @@ def gpu_time(ctx: Context, s: State) -> GpuTime:
         block_fwd[b.index] = f + wait_f
         recompute += (passes - 1) * f
     out_frozen = c.outside_quantizable_params
-    mm_f, mm_b = _block_matmuls_s(ctx, -1)
+    mm_f, mm_b = block_matmuls_s(ctx, -1)
     vocab = max((n for _, n, _ in c.outside_matmul_shapes), default=0)
     loss = LOSS_BYTES_PER_LOGIT * t * vocab / hbm
     dq = out_frozen * (bpw + DEQUANT_WRITE_BYTES) / hbm if dequant else 0.0  # a stored LM head

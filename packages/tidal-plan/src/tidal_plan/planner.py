@@ -199,6 +199,7 @@ def _context(census: ModelCensus, profile: HardwareProfile, config: PlanConfig) 
         bytes_per_weight=config.bytes_per_weight,
         seq_len=config.seq_len or 0,
         loss_chunk=config.loss_chunk_tokens,
+        graphs=config.cuda_graphs,
     )
 
 

@@ -61,6 +61,10 @@ def predicted_step(session: Any, streamed: Iterable[int], host_blocks: set[Any])
 
     policies = activations_of(session).stats()["policies"]
     placement = _placement(session, set(streamed), policies, host_blocks)
+    # the blocks' CUDA graphs start with the next step: the prediction prices them (the plan did not)
+    graphs = getattr(getattr(session, "options", None), "cuda_graphs", False) is not False
+    graphs = graphs and session.device.type == "cuda"
+    config = dataclasses.replace(config, cuda_graphs=graphs)
     return tokens, predict(session.census, session.profile, placement, config, batch_tokens=tokens).step_s
 
 

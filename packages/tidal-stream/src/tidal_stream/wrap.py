@@ -258,6 +258,10 @@ def wrap(
         raise option_error("model", type(model).__name__, "a model not wrapped yet", "call unwrap() first.")
     device = _device_of(model, opts)
     dp = resolve_distributed(opts.distributed)
+    if dp is not None and opts.cuda_graphs is True:
+        raise option_error(
+            "cuda_graphs", True, "False or 'auto' under data parallel (block graphs are single-GPU for now)"
+        )
     if dp is not None:  # data parallel: every rank of the process group wraps collectively
         return wrap_distributed(model, optimizer, opts, device, dp)
     session = Session(model, opts, device)

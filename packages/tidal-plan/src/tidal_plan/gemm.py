@@ -1,0 +1,84 @@
+"""Matmul time of the cost model: the roofline of each GEMM shape a block runs, forward and backward.
+
+Used by :mod:`tidal_plan.cost` (``gpu_time``); ``ctx`` is its ``Context``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Per kernel: launch gap plus PyTorch's eager dispatch and autograd bookkeeping on the host, which bound
+# short kernels (5-10 us per op on current CPUs; the midpoint-high end, since a step mixes both).
+KERNEL_OVERHEAD_S = 8e-6
+# fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
+# specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
+FP32_MATMUL_SHARE = 1 / 15
+
+__all__ = [
+    "FP32_MATMUL_SHARE",
+    "KERNEL_OVERHEAD_S",
+    "block_matmuls_s",
+    "gemm_launches",
+    "gemm_s",
+    "matmul_rate",
+    "matmuls_s",
+]
+
+
+def matmul_rate(ctx: Any) -> float:
+    """FLOP/s of the model's matmuls: the profiled bf16 rate under sustained load (the peak rate when the
+    profile has no sustained figure), or its fp32 share for fp32 weights on a GPU."""
+    prof = ctx.profile
+    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
+    fp32_on_gpu = ctx.census.matmul_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
+    return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
+
+
+def gemm_s(ctx: Any, m: int, k: int, n: int) -> float:
+    """Roofline of one ``[m, k] x [k, n]`` matmul: FLOPs at the peak rate or its operands and result at
+    HBM bandwidth, whichever is longer, plus the per-kernel overhead."""
+    prof, elem = ctx.profile, ctx.census.matmul_dtype_bytes
+    flops_s = 2 * m * k * n / matmul_rate(ctx)
+    bytes_s = elem * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9)
+    return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S
+
+
+def matmuls_s(
+    ctx: Any, shapes: tuple[tuple[int, int, bool], ...], matmul: int, frozen: int
+) -> tuple[float, float]:
+    """Forward and backward seconds of a module's matmuls: forward, the input gradient, and the weight
+    gradient of trainable weights (each the same GEMM shape). Without shapes (an old census): the FLOPs
+    of ``matmul`` weights (``frozen`` of them without a weight gradient) at the peak rate."""
+    t = ctx.tokens
+    if not shapes:
+        rate = matmul_rate(ctx)
+        return 2 * matmul * t / rate, (4 * matmul - 2 * frozen) * t / rate
+    fwd = bwd = 0.0
+    for k, n, trainable in shapes:
+        g = gemm_s(ctx, t, k, n)
+        fwd += g
+        bwd += g * (2 if trainable else 1)
+    return fwd, bwd
+
+
+def block_matmuls_s(ctx: Any, index: int) -> tuple[float, float]:
+    """:func:`matmuls_s` of block ``index`` (-1: the layers outside the stack), cached in ``ctx``."""
+    got = ctx.matmul_cache.get(index)
+    if got is None:
+        c = ctx.census
+        if index < 0:
+            got = matmuls_s(
+                ctx, c.outside_matmul_shapes, c.outside_matmul_params, c.outside_quantizable_params
+            )
+        else:
+            b = c.blocks[index]
+            got = matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
+        ctx.matmul_cache[index] = got
+    return got
+
+
+def gemm_launches(ctx: Any, index: int) -> tuple[int, int]:
+    """GEMM kernels of block ``index`` forward and backward (the input gradient, and the weight gradient
+    of trainable weights), as :func:`matmuls_s` counts them (0, 0 without shapes)."""
+    shapes = ctx.census.blocks[index].matmul_shapes
+    return len(shapes), sum(2 if trainable else 1 for _, _, trainable in shapes)

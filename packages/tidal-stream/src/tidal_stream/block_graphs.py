@@ -308,10 +308,11 @@ class BlockGraphs:
             if g.fwd is None and g.failed is None:
                 g.failed = why
         dev = self.device
-        with contextlib.suppress(Exception):  # the failure itself is what gets recorded
-            torch.cuda.synchronize(dev)
+        with contextlib.suppress(Exception):  # the capture's own error is what gets recorded
+            torch.cuda.synchronize(dev)  # why: the failed capture's stream work ends before another capture
         reset = torch.cuda.CUDAGraph()
         try:
+            # a fresh stream: the failed capture's stream may still be marked as capturing
             with torch.cuda.graph(reset, stream=torch.cuda.Stream(dev)):
                 torch.zeros(1, device=dev).add_(1)
         except Exception as e:

@@ -135,23 +135,32 @@ def quality_table(rows: list[dict[str, Any]]) -> str:
 _PREDICTED = re.compile(
     r"the cost model predicts (\d+) ms per step of this placement at the measured (\d+) tokens"
 )
+_GRAPHED = re.compile(r"captured CUDA graphs of blocks (?!none)([\d,\- ]+)")
+
+
+def _graphed_blocks(notes: str) -> str:
+    """The blocks a run replayed as CUDA graphs (from its "graphs" decision), or "no"."""
+    m = _GRAPHED.search(notes)
+    return m.group(1).strip() if m else "no"
 
 
 def prediction_table(rows: list[dict[str, Any]]) -> str:
     """tidal's rows whose notes carry the cost model's step of the refined placement at the measured
     tokens (the first step's decision line): predicted against measured. '' when no row has one."""
     lines = [
-        "| scenario | engine | tokens/step | predicted (ms) | measured (ms) | measured/predicted |",
-        "|---|---|---:|---:|---:|---:|",
+        "| scenario | engine | tokens/step | CUDA graphs | predicted (ms) | measured (ms) | measured/predicted |",
+        "|---|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
-        m = _PREDICTED.search(" ".join(r.get("engine_notes") or []))
+        notes = " ".join(r.get("engine_notes") or [])
+        m = _PREDICTED.search(notes)
         if m is None or r.get("outcome") != "ok" or not r.get("step_s"):
             continue
         predicted, measured = int(m.group(1)), 1e3 * r["step_s"]
         lines.append(
-            f"| {r.get('scenario', '')} | {r.get('label', r.get('engine', ''))} | {m.group(2)} | {predicted} | "
-            f"{measured:.0f} | {_fmt(measured / predicted, 2) if predicted else '—'} |"
+            f"| {r.get('scenario', '')} | {r.get('label', r.get('engine', ''))} | {m.group(2)} | "
+            f"{_graphed_blocks(notes)} | {predicted} | {measured:.0f} | "
+            f"{_fmt(measured / predicted, 2) if predicted else '—'} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -222,6 +231,8 @@ def render_doc(
             "",
             "After its first step tidal logs what `tidal_plan.predict` expects of the placement it ends with, at",
             "the tokens that step measured (the plan itself was sized for 4,096); here against the measured step.",
+            "Runs with CUDA graphs (blocks listed) from before tidal-plan priced them logged a prediction without",
+            "them; `python benchmarks/plan/lora14b_placements.py` prints the priced one for the 2026-11-30 runs.",
             "",
             predicted,
         ]

@@ -170,7 +170,11 @@ def test_prediction_table_sets_the_logged_prediction_beside_the_measured_step():
         {"scenario": "lora14b", "engine": "tidal", "outcome": "OOM", "step_s": None, "engine_notes": [note]},
     ]
     table = report.prediction_table(rows)
-    assert table.splitlines()[2:] == ["| lora14b | tidal NF4 | 512 | 588 | 603 | 1.03 |"]
+    assert table.splitlines()[2:] == ["| lora14b | tidal NF4 | 512 | no | 588 | 603 | 1.03 |"]
+    rows[0]["engine_notes"].append("captured CUDA graphs of blocks 0-47 at input shape (1, 512, 5120): ...")
+    assert report.prediction_table(rows).splitlines()[2:] == [
+        "| lora14b | tidal NF4 | 512 | 0-47 | 588 | 603 | 1.03 |"
+    ]
     assert report.prediction_table(rows[1:]) == ""
     doc = report.render_doc(rows, [], None)
     assert "## tidal's cost model at the measured batch" in doc and "| lora14b | tidal NF4 | 512 |" in doc

@@ -29,8 +29,8 @@ A call runs the original forward instead (eagerly; checkpointed by the activatio
 recomputes) when: grad mode is off or it runs inside a backward (a recompute), autocast or saved-tensor
 hooks are active, its shapes, dtypes, strides, ``requires_grad`` or non-tensor arguments differ from the
 captured call, the block's weights moved, the block's last replay still waits for its backward (a second
-forward before backward: the graph's saved activations are in use), or the capture failed (logged once;
-the block stays eager).
+forward before backward: the graph's saved activations are in use), the budget has no room for another
+capture, or a capture failed (logged; from then on no block of the session is captured).
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ def test_cuda_graphs_option_is_validated():
 
 
 def test_no_graphs_on_the_cpu():
+    """``cuda_graphs="auto"`` is accepted on the CPU and graphs nothing there."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    model, opt = wrap(model, None, lr=1e-3, device="cpu")
+    model, opt = wrap(model, None, lr=1e-3, device="cpu", cuda_graphs="auto")
     for _ in range(2):
         model(torch.ones(3, 4)).sum().backward()
         opt.step()

@@ -63,7 +63,17 @@ def main(argv: list[str] | None = None) -> dict:
             times.append(time.perf_counter() - t0)
     events = prof.key_averages()
     wall_us = sum(times) * 1e6
-    device_us = sum(e.self_device_time_total for e in events) if on_cuda else 0.0
+    # kernels and copies only, as torch's own table totals them: a record_function range (tidal's
+    # quant_linear, act.offload ...) also carries device time, which would count its kernels twice
+    device_us = (
+        sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
+        if on_cuda
+        else 0.0
+    )
     print(f"\n{engine.label} on {scenario.name}: steps {', '.join(f'{t:.3f}' for t in times)} s")
     if on_cuda:
         print(

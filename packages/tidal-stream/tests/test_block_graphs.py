@@ -127,6 +127,32 @@ def test_a_delegated_recompute_is_checkpointed_by_its_runner():
     assert h.stats()["recomputed_forwards"] == 4  # both by their hooks again
 
 
+def test_captures_see_stand_ins_that_share_the_parameters_storage():
+    """[Note: fresh leaves]: inside ``_fresh_leaves`` every trainable parameter, a shared one in each of
+    its places, is one new leaf on the same storage; the gradients reach the stand-ins; afterwards the
+    block holds its own parameters again, unchanged and without gradients."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    block[1].weight = block[0].weight  # one parameter in two places
+    block[2].weight.requires_grad_(False)  # frozen: no stand-in
+    params = [p for p in block.parameters() if p.requires_grad]
+    g = _BlockGraph(None, 0, block, block.forward, None)
+    before = [p.detach().clone() for p in params]
+    with g._fresh_leaves() as stand_ins:
+        assert len(stand_ins) == len(params) == 4  # the shared weight once, two biases, the LayerNorm bias
+        assert block[0].weight is block[1].weight is stand_ins[0] and stand_ins[0] is not params[0]
+        assert all(s.data_ptr() == p.data_ptr() and s.is_leaf for s, p in zip(stand_ins, params))
+        assert block[2].weight is not None and not block[2].weight.requires_grad
+        out = block(torch.randn(3, 4)).sum()
+        grads = torch.autograd.grad(out, stand_ins)
+    assert all(gr is not None and gr.abs().sum() > 0 for gr in grads)
+    assert [p for p in block.parameters() if p.requires_grad] == params  # the same objects are back
+    assert block[0].weight is block[1].weight is params[0]
+    assert all(p.grad is None for p in params)
+    for b, p in zip(before, params):
+        assert_bitwise_equal(b, p.detach())
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _lora_qwen(layers: int = 3) -> nn.Module:
     transformers = pytest.importorskip("transformers")
@@ -257,3 +283,61 @@ def test_a_new_sequence_length_runs_eagerly_and_matches():
     rep = memory_report(graphed[2])["cuda_graphs"]
     assert rep["eager_calls"] >= 3  # the 24-token step's three blocks
     assert rep["replays"] >= 3 * 3  # three 16-token steps after the capture
+
+
+class _HostSyncBlock(nn.Module):
+    """A block whose forward reads a value on the host: it runs eagerly, but it cannot be captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum().item() < 0:  # never true; .item() synchronizes, which a capture refuses
+            x = -x
+        return torch.tanh(self.lin(x))
+
+
+class _HostSyncStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_HostSyncBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_failed_capture_leaves_the_session_eager_and_the_rng_usable():
+    """[Note: failed capture]: a capture that fails (a host sync in the block) leaves every block eager,
+    logs why, gives the same numbers as a run without graphs, and leaves the CUDA generator usable (a
+    failed capture used to leave it in its capture state: random ops then raised)."""
+
+    def train(graphs: bool) -> tuple[list[torch.Tensor], nn.Module]:
+        torch.manual_seed(0)
+        model = _HostSyncStack().cuda()
+        model, opt = wrap(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload=False, cuda_graphs=graphs
+        )
+        losses = []
+        for step in range(4):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).cuda()
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().reshape(1))
+        return losses, model
+
+    eager_losses, _ = train(False)
+    losses, model = train(True)
+    for step, (a, b) in enumerate(zip(eager_losses, losses)):
+        assert_bitwise_equal(a, b, f"loss of step {step}")
+    rep = memory_report(model)["cuda_graphs"]
+    assert rep["captured"] == [] and rep["replays"] == 0
+    assert any("capture failed" in m for m in _graph_events(model)), _graph_events(model)
+    torch.randn(16, device="cuda").normal_()  # the generator left its capture state
+    torch.cuda.synchronize()

@@ -19,26 +19,25 @@ saves only the inputs and its backward graph recomputes. Every later eligible ca
 the static ones and replays. The outputs are copies, so nothing a caller holds is overwritten by the next
 replay.
 
-Opt-in (``wrap(..., cuda_graphs=True)`` or ``"auto"``; default False): on the GPU machine the first
-capture of a fresh test process (a tiny LoRA Qwen2, its first step with graphs) failed with "operation
-failed due to a previous error during capture", while every later capture in the same process, and the
-first ones of the 14B benchmark processes, succeeded. The cause is not found yet (it is not the lazy
-load of the RNG's int64 fill kernel: loading it beforehand changed nothing); see [Note: failed capture]
-for what a failure leaves behind.
+Opt-in (``wrap(..., cuda_graphs=True)`` or ``"auto"``; default False). The capture records the
+parameters' gradients through stand-in leaves (:meth:`_BlockGraph._fresh_leaves`): through the parameters
+themselves, the backward capture failed whenever the training loop still held the previous step's loss
+(see [Note: fresh leaves]). A capture that fails for another reason leaves the session eager (see
+[Note: failed capture]).
 
 A call runs the original forward instead (eagerly; checkpointed by the activation handle when the block
 recomputes) when: grad mode is off or it runs inside a backward (a recompute), autocast or saved-tensor
-hooks are active, its shapes, dtypes, strides, ``requires_grad`` or non-tensor arguments differ from the
-captured call, the block's weights moved, the block's last replay still waits for its backward (a second
-forward before backward: the graph's saved activations are in use), the budget has no room for another
-capture, or a capture failed (logged; from then on no block of the session is captured).
+hooks are active, its shapes, dtypes, strides, ``requires_grad``, non-tensor arguments or training mode
+differ from the captured call, the block's weights moved, the block's last replay still waits for its
+backward (a second forward before backward: the graph's saved activations are in use), the budget has no
+room for another capture, or a capture failed (logged; from then on no block of the session is captured).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,6 +97,13 @@ class _BlockGraph:
         self.recompute = recompute
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.tensors = [*block.parameters(), *block.buffers()]  # their addresses are baked into the graphs
+        # each trainable parameter's places in the block's modules (one parameter may sit in several)
+        self.places = [
+            (m, n, p)
+            for m in block.modules()
+            for n, p in m._parameters.items()
+            if p is not None and p.requires_grad
+        ]
         self.failed: str | None = None
         self.fwd: torch.cuda.CUDAGraph | None = None
         self.generation = 0
@@ -114,36 +120,58 @@ class _BlockGraph:
         self.static_in = [
             t.detach().clone().requires_grad_(t.requires_grad) for t in leaves if isinstance(t, torch.Tensor)
         ]
-        diff_in = [t for t in self.static_in if t.requires_grad] + self.params
-        compute = torch.cuda.current_stream(dev)
-        side = self.owner.stream
-        side.wait_stream(compute)  # why: the warm-up reads inputs the compute stream just wrote
-        with torch.cuda.stream(side):
-            for _ in range(_WARMUP):
-                outs = [o for o in tree_flatten(self._run())[0] if isinstance(o, torch.Tensor)]
-                diff = [o for o in outs if o.requires_grad]
-                torch.autograd.grad(diff, diff_in, [torch.zeros_like(o) for o in diff], allow_unused=True)
-                del outs, diff
-        compute.wait_stream(side)  # why: the capture below must follow the warm-up's kernels
-        pool = self.owner.pool
-        fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
-            out = self._run()
-        out_leaves, self.out_spec = tree_flatten(out)
-        self.out_other = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
-        self.static_out = [o for o in out_leaves if isinstance(o, torch.Tensor)]
-        self.out_diff = [o.requires_grad for o in self.static_out]
-        diff_out = [o for o in self.static_out if o.requires_grad]
-        self.static_grad_out = [torch.empty_like(o) for o in diff_out]
-        bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
-            # retain_graph: the saved activations stay referenced, so no later capture reuses their memory
-            grads = torch.autograd.grad(
-                diff_out, diff_in, self.static_grad_out, retain_graph=True, allow_unused=True
-            )
-        self.static_grad_in = list(grads)
+        with self._fresh_leaves() as stand_ins:
+            diff_in = [t for t in self.static_in if t.requires_grad] + stand_ins
+            compute = torch.cuda.current_stream(dev)
+            side = self.owner.stream
+            side.wait_stream(compute)  # why: the warm-up reads inputs the compute stream just wrote
+            with torch.cuda.stream(side):
+                for _ in range(_WARMUP):
+                    outs = [o for o in tree_flatten(self._run())[0] if isinstance(o, torch.Tensor)]
+                    diff = [o for o in outs if o.requires_grad]
+                    torch.autograd.grad(diff, diff_in, [torch.zeros_like(o) for o in diff], allow_unused=True)
+                    del outs, diff
+            compute.wait_stream(side)  # why: the capture below must follow the warm-up's kernels
+            pool = self.owner.pool
+            fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                out = self._run()
+            out_leaves, self.out_spec = tree_flatten(out)
+            self.out_other = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+            self.static_out = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+            self.out_diff = [o.requires_grad for o in self.static_out]
+            diff_out = [o for o in self.static_out if o.requires_grad]
+            self.static_grad_out = [torch.empty_like(o) for o in diff_out]
+            bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                # retain_graph: the saved activations stay referenced, so no later capture reuses their memory
+                grads = torch.autograd.grad(
+                    diff_out, diff_in, self.static_grad_out, retain_graph=True, allow_unused=True
+                )
+            self.static_grad_in = list(grads)
         self.in_diff = [t.requires_grad for t in self.static_in]
         self.fwd, self.bwd = fwd, bwd
+
+    @contextlib.contextmanager
+    def _fresh_leaves(self) -> Iterator[list[torch.Tensor]]:
+        """For the warm-ups and captures, the block's trainable parameters are stand-ins: new leaves that share
+        their storage (so the graphs read and update the same memory).
+
+        [Note: fresh leaves] Autograd orders a gradient after the stream of its AccumulateGrad node, which is
+        the stream current when the node was made. A parameter's node lives as long as any graph reaching it
+        does: the previous step's loss, still held by the training loop, keeps it, made on the default
+        stream. Capturing a backward into that node made the legacy stream wait on the capturing one, which
+        CUDA refuses (cudaErrorStreamCaptureImplicit; the first capture of every test process failed so on
+        the GPU machine). A stand-in's node is made during the warm-up, on the side stream.
+        """
+        stand_in = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in self.params}
+        for m, n, p in self.places:
+            m._parameters[n] = stand_in[id(p)]
+        try:
+            yield [stand_in[id(p)] for p in self.params]
+        finally:
+            for m, n, p in self.places:
+                m._parameters[n] = p
 
     def _run(self) -> Any:
         it = iter(self.static_in)
@@ -227,6 +255,8 @@ class _Dispatch:
             return g.eager(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         signature = _signature(spec, leaves, dev)
+        if signature is not None:
+            signature += (g.block.training,)  # train and eval differ in what dropout does
         if signature is None or (g.fwd is not None and not g.matches(signature)):
             g.owner.eager_calls += 1
             return g.eager(*args, **kwargs)

@@ -318,9 +318,13 @@ class BlockGraphs:
             self._finish_if_done(signature)
             return False
         before = torch.cuda.memory_reserved(dev)
+        caller_stream = torch.cuda.current_stream(dev)
         try:
             g.capture(spec, leaves, signature)
         except Exception as e:  # a kernel that syncs, allocates from the host or is not capturable
+            # why: torch.cuda.graph leaves its capture stream current when ending the capture raises, and the
+            # caller's later kernels would run there, unordered with its own stream's work
+            torch.cuda.set_stream(caller_stream)
             g.fwd = None
             self._give_up(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
         else:

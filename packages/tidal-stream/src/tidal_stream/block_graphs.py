@@ -19,7 +19,7 @@ saves only the inputs and its backward graph recomputes. Every later eligible ca
 the static ones and replays. The outputs are copies, so nothing a caller holds is overwritten by the next
 replay.
 
-Opt-in (``wrap(..., cuda_graphs=True)`` or ``"auto"``; default False). The capture records the
+On by default (``wrap(..., cuda_graphs="auto")``; False turns it off). The capture records the
 parameters' gradients through stand-in leaves (:meth:`_BlockGraph._fresh_leaves`): through the parameters
 themselves, the backward capture failed whenever the training loop still held the previous step's loss
 (see [Note: fresh leaves]). A capture that fails for another reason leaves the session eager (see
@@ -337,9 +337,9 @@ class BlockGraphs:
 
         [Note: failed capture] torch's CUDA generator enters its capture state when a capture begins and
         leaves it when one ends well; after a failed capture, random ops on the device raise "Offset
-        increment outside graph capture" (seen on the GPU machine). A trivial capture that ends well should
-        take it out of that state (torch's generator leaves it at every good capture end; this path has not
-        run on the GPU machine yet); no further block is captured in this session.
+        increment outside graph capture" (seen on the GPU machine). A trivial capture that ends well takes
+        it out of that state (torch's generator leaves it at every good capture end; the GPU test of a
+        failed capture draws random numbers afterwards); no further block is captured in this session.
         """
         for g in self.graphs.values():
             if g.fwd is None and g.failed is None:

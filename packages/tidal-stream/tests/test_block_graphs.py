@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tidal_stream import memory_report, wrap
-from tidal_stream.block_graphs import _BlockGraph, _foreign_hooks, _signature, graphable_blocks
+from tidal_stream.block_graphs import BlockGraphs, _BlockGraph, _foreign_hooks, _signature, graphable_blocks
 from tidal_stream.errors import OptionError
 from tidal_testing.numerics import assert_bitwise_equal
 
@@ -179,7 +179,7 @@ def _lora_qwen(layers: int = 3) -> nn.Module:
 
 
 def _run(
-    graphs: bool,
+    graphs: bool | str,
     lengths: list[int],
     *,
     accumulation: int = 1,
@@ -285,6 +285,22 @@ def test_a_new_sequence_length_runs_eagerly_and_matches():
     assert rep["replays"] >= 3 * 3  # three 16-token steps after the capture
 
 
+@pytest.mark.gpu
+@cuda
+def test_auto_releases_the_graphs_and_their_memory_at_a_new_sequence_length():
+    """``cuda_graphs="auto"`` (the default): the 24-token step releases the graphs; that step and the later
+    ones run eagerly with the numbers of the run without graphs, and the graphs' memory is handed back."""
+    lengths = [16, 16, 16, 24, 16]
+    eager = _run(False, lengths)
+    graphed = _run("auto", lengths)
+    _same(eager, graphed)
+    rep = memory_report(graphed[2])["cuda_graphs"]
+    assert rep["released"] is not None and "(2, 24, 64)" in rep["released"], _graph_events(graphed[2])
+    # three blocks replayed in step 2 (the capture's own call) and in step 3
+    assert rep["captured"] == [] and rep["replays"] == 6
+    assert any("memory was handed back" in m for m in _graph_events(graphed[2])), _graph_events(graphed[2])
+
+
 class _HostSyncBlock(nn.Module):
     """A block whose forward reads a value on the host: it runs eagerly, but it cannot be captured."""
 
@@ -341,3 +357,63 @@ def test_a_failed_capture_leaves_the_session_eager_and_the_rng_usable():
     assert any("capture failed" in m for m in _graph_events(model)), _graph_events(model)
     torch.randn(16, device="cuda").normal_()  # the generator left its capture state
     torch.cuda.synchronize()
+
+
+def _pretend_captured(session, blocks, x):
+    """BlockGraphs over ``blocks`` with every block marked as captured for calls like ``block(x)`` (the CPU
+    cannot capture; the dispatcher's decisions before a replay are what these tests look at)."""
+    bg = BlockGraphs(session, {i: (b, None) for i, b in enumerate(blocks)})
+    for g in bg.graphs.values():
+        leaves, spec = torch.utils._pytree.tree_flatten(((x,), {}))
+        g.signature = (*_signature(spec, leaves, x.device), g.block.training)
+        g.ptrs = g._ptrs()
+        g.fwd = g.bwd = object()
+        g.static_in, g.static_out = [x.clone()], [x.clone()]
+    return bg
+
+
+def _cpu_session(mode):
+    events = []
+    opts = types.SimpleNamespace(vram_budget_bytes=None, cuda_graphs=mode)
+    record = lambda kind, message, **_: events.append(message)  # noqa: E731
+    return types.SimpleNamespace(device=torch.device("cpu"), options=opts, record=record), events
+
+
+def test_auto_releases_the_graphs_at_the_first_change_of_input_shape():
+    """``cuda_graphs="auto"``: a call with another shape than the capture runs eagerly and releases the graphs
+    of every block (each dropped at its own next call); the log names both shapes."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    session, events = _cpu_session("auto")
+    bg = _pretend_captured(session, blocks, torch.randn(2, 4))
+    y = torch.randn(3, 4)
+    assert_bitwise_equal(blocks[0](y), torch.nn.functional.linear(y, blocks[0].weight, blocks[0].bias))
+    g0, g1 = bg.graphs[0], bg.graphs[1]
+    assert g0.fwd is None and g0.static_out == []  # dropped at once: no replay of it awaits a backward
+    assert g1.fwd is not None and g1.failed is not None  # dropped at its next call
+    assert any("shape (3, 4)" in m and "shape (2, 4)" in m for m in events), events
+    blocks[1](torch.randn(2, 4))  # the captured shape, but released: eager, and its graphs go
+    assert g1.fwd is None
+    rep = bg.report()["cuda_graphs"]
+    assert rep["captured"] == [] and rep["released"].startswith("released: block 0")
+    assert rep["eager_calls"] == 2 and rep["replays"] == 0
+
+
+def test_true_keeps_the_graphs_for_the_captured_shape():
+    """``cuda_graphs=True``: another shape runs eagerly and the graphs stay for the captured one."""
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    session, events = _cpu_session(True)
+    bg = _pretend_captured(session, blocks, torch.randn(2, 4))
+    blocks[0](torch.randn(3, 4))
+    assert all(g.fwd is not None and g.failed is None for g in bg.graphs.values())
+    assert bg.report()["cuda_graphs"]["released"] is None and not events
+
+
+def test_a_moved_weight_releases_the_graphs_under_auto():
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    session, events = _cpu_session("auto")
+    bg = _pretend_captured(session, blocks, torch.randn(2, 4))
+    blocks[0].weight.data = blocks[0].weight.data.clone()  # new storage: the graph's addresses are stale
+    blocks[0](torch.randn(2, 4))
+    assert bg.graphs[0].fwd is None and "weights moved" in bg.released
+    assert any("weights moved" in m for m in events), events

@@ -31,6 +31,9 @@ hooks are active, its shapes, dtypes, strides, ``requires_grad``, non-tensor arg
 differ from the captured call, the block's weights moved, the block's last replay still waits for its
 backward (a second forward before backward: the graph's saved activations are in use), the budget has no
 room for another capture, or a capture failed (logged; from then on no block of the session is captured).
+Under ``"auto"`` the first call with other inputs than the capture's (another sequence length) or with
+moved weights releases every block's graphs and their memory (:meth:`BlockGraphs.release`); ``True`` keeps
+them for the captured shape.
 """
 
 from __future__ import annotations
@@ -191,6 +194,12 @@ class _BlockGraph:
     def _ptrs(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.tensors)
 
+    def drop(self) -> None:
+        """Let go of the graphs and every tensor of theirs (their memory returns to the pool)."""
+        self.fwd = self.bwd = None
+        self.static_in, self.static_out, self.static_grad_out, self.static_grad_in = [], [], [], []
+        self.returned, self.pending = [], None
+
     # ------------------------------------------------------------------------------------------- replay
     def busy(self) -> bool:
         """The last replay's backward has not run and its autograd graph is alive."""
@@ -243,6 +252,8 @@ class _Dispatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         g = self.graph
         dev = g.owner.device
+        if g.failed is not None and g.fwd is not None:
+            g.owner.drop(g)  # released earlier, while this block's last replay still awaited its backward
         if (
             g.failed is not None
             or not torch.is_grad_enabled()
@@ -258,6 +269,8 @@ class _Dispatch:
         if signature is not None:
             signature += (g.block.training,)  # train and eval differ in what dropout does
         if signature is None or (g.fwd is not None and not g.matches(signature)):
+            if signature is not None and g.owner.release_on_change:
+                g.owner.release(g, signature)
             g.owner.eager_calls += 1
             return g.eager(*args, **kwargs)
         if g.fwd is None and not g.owner.try_capture(g, spec, leaves, signature):
@@ -265,6 +278,11 @@ class _Dispatch:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         outs = iter(_Replay.apply(g, *tensors, *g.params))
         return tree_unflatten([next(outs) if o is None else o for o in g.out_other], g.out_spec)
+
+
+def _shape(signature: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The shape of the first tensor of a call's signature (what a log line names)."""
+    return next((tuple(x[0]) for x in signature[1:] if isinstance(x, tuple) and len(x) == 4), None)
 
 
 def _signature(spec: Any, leaves: list[Any], device: torch.device) -> tuple[Any, ...] | None:
@@ -288,9 +306,12 @@ class BlockGraphs:
     def __init__(self, session: Any, blocks: dict[int, tuple[nn.Module, Any]], foreign: int = 0) -> None:
         self.session = session
         self.device = session.device
-        self.pool = torch.cuda.graph_pool_handle()  # one pool: the blocks' graphs share its memory
+        self.pool: Any = None  # made at the first capture: one pool, the blocks' graphs share its memory
         # one side stream for every warm-up and capture: its cached temporaries serve the next block's
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream: torch.cuda.Stream | None = None
+        # "auto" lets the graphs go at the first change of input shape (see release); True keeps them
+        self.release_on_change = session.options.cuda_graphs == "auto"
+        self.released: str | None = None
         self.graphs = {i: _BlockGraph(self, i, b, b.forward, acts) for i, (b, acts) in blocks.items()}
         self.replays = 0
         self.eager_calls = 0
@@ -317,6 +338,8 @@ class BlockGraphs:
             g.failed = f"no room: {need / 2**20:.0f} MiB more would exceed the budget"
             self._finish_if_done(signature)
             return False
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         before = torch.cuda.memory_reserved(dev)
         caller_stream = torch.cuda.current_stream(dev)
         try:
@@ -365,7 +388,7 @@ class BlockGraphs:
         for i, g in self.graphs.items():
             if g.failed is not None:
                 failed.setdefault(g.failed, []).append(i)
-        shape = next((tuple(x[0]) for x in signature[1:] if isinstance(x, tuple)), None)
+        shape = _shape(signature)
         self.session.record(
             "graphs",
             f"captured CUDA graphs of blocks {block_ranges(captured) or 'none'} at input shape {shape}: each "
@@ -375,6 +398,44 @@ class BlockGraphs:
             failed={why: ix for why, ix in failed.items()},
         )
 
+    def release(self, g: _BlockGraph, signature: tuple[Any, ...]) -> None:
+        """``cuda_graphs="auto"``: block ``g`` was called with other inputs than it was captured for (another
+        sequence length, or its weights moved), so every block runs eagerly from now on and the graphs go.
+
+        The pool holds the captured step's activations; an eager step beside it would need its own as well,
+        over a budget that counted one set. Each block's graphs are dropped at its next call, since a replay
+        whose backward has not run still needs them; the memory is handed back when the last goes.
+        """
+        why = f"released: block {g.index}'s weights moved since its capture"
+        if signature != g.signature:
+            why = (
+                f"released: block {g.index} was called with other inputs (shape {_shape(signature)}) than it "
+                f"was captured for (shape {_shape(g.signature)})"
+            )
+        self.released = why
+        for other in self.graphs.values():
+            if other.failed is None:
+                other.failed = why
+        self.session.record(
+            "graphs",
+            f"CUDA graphs {why}: every block runs eagerly from now on (cuda_graphs='auto' graphs one input "
+            "shape; pad the batches to one length, or pass cuda_graphs=True to keep the graphs for the first "
+            "shape at the cost of their memory)",
+        )
+        self.drop(g)
+
+    def drop(self, g: _BlockGraph) -> None:
+        """Drop ``g``'s graphs unless its last replay awaits its backward; after the last, empty the cache."""
+        if g.busy():
+            return
+        g.drop()
+        if self.pool is not None and all(x.fwd is None for x in self.graphs.values()):
+            self.pool = None
+            before = torch.cuda.memory_reserved(self.device)
+            torch.cuda.empty_cache()  # the pool's blocks are free now: hand them back to the device
+            freed = (before - torch.cuda.memory_reserved(self.device)) / 2**20
+            self.session.record("graphs", f"the CUDA graphs' memory was handed back ({freed:.0f} MiB)")
+
     def report(self) -> dict[str, Any]:
         return {
             "cuda_graphs": {
@@ -382,6 +443,7 @@ class BlockGraphs:
                 "captured": sorted(i for i, g in self.graphs.items() if g.fwd is not None),
                 "replays": self.replays,
                 "eager_calls": self.eager_calls,
+                "released": self.released,
             }
         }
 

@@ -156,8 +156,9 @@ class WrapOptions:
     """(part 2) SDPA backend: ``"auto"`` (time once, use the fastest), a backend name, or None (untouched)."""
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay CUDA graphs of the blocks that stay on the device and keep or recompute their activations,
-    from the second step (``tidal_stream.block_graphs``): ``"auto"`` (default: on CUDA devices, single GPU),
-    True (a CUDA device needed) or False (for blocks whose forward depends on more than its arguments)."""
+    from the second step (``tidal_stream.block_graphs``): ``"auto"`` (default: on CUDA devices, single GPU;
+    released at the first change of input shape), True (a CUDA device needed; kept for the first shape) or
+    False (for blocks whose forward depends on more than its arguments)."""
     distributed: bool | Literal["auto"] | DistributedConfig = "auto"
     """Data parallel (``tidal_stream.distributed``): ``"auto"`` when an initialized process group has more
     than one rank, True (needs one), False (never), or a ``DistributedConfig``; default ``"auto"``."""

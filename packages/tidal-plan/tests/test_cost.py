@@ -145,3 +145,20 @@ def test_sustained_matmul_rate_is_used_when_measured(qwen1_5b_census):
     b = gpu_time(_context(c, held, cfg), _state(n, set())).parts["matmul"]
     gemms = 3 * (sum(len(x.matmul_shapes) for x in c.blocks) + len(c.outside_matmul_shapes))
     assert b - gemms * KERNEL_OVERHEAD_S == pytest.approx(2 * (a - gemms * KERNEL_OVERHEAD_S), rel=1e-9)
+
+
+def test_fp32_adapter_gemms_are_priced_by_their_kernel_time(qwen14b_lora_fp32_census):
+    """``gemm.fp32_adapter_gemm_s``: a rank-16 factor of an fp32 adapter at 512 tokens takes the measured
+    small-shape time, one at 65,536 tokens its fp32 roofline; a 16-bit model's GEMMs are unaffected."""
+    from tidal_plan.gemm import FP32_ADAPTER_GEMM_S, fp32_adapter_gemm_s, gemm_s
+
+    prof = HardwareProfile.synthetic(matmul_tflops=780.0, hbm_gbps=4000.0)
+    ctx = _context(qwen14b_lora_fp32_census, prof, PlanConfig(batch_tokens=512))
+    small = fp32_adapter_gemm_s(ctx, 512, 5120, 16)
+    assert small == pytest.approx(FP32_ADAPTER_GEMM_S + KERNEL_OVERHEAD_S, rel=1e-12)
+    # the bf16 roofline prices its kernel at about a microsecond
+    assert small - KERNEL_OVERHEAD_S > 5 * (gemm_s(ctx, 512, 5120, 16) - KERNEL_OVERHEAD_S)
+    big = fp32_adapter_gemm_s(ctx, 65536, 5120, 16)
+    assert big - KERNEL_OVERHEAD_S == pytest.approx(
+        4 * (65536 * 5120 + 5120 * 16 + 65536 * 16) / 4000e9, rel=1e-12
+    )

@@ -467,14 +467,18 @@ def test_offloading_past_host_ram_is_traded_for_recompute(qwen14b_lora_census):
 
 def test_lora_fp32_adapters_on_a_bf16_base_plan_bf16_matmuls(qwen14b_lora_census, qwen14b_lora_fp32_census):
     """PEFT's fp32 adapters make the trained dtype fp32, but the base's matmuls still run in bf16 on
-    tensor cores: the predicted compute is that of the bf16 model, not 15 times it."""
+    tensor cores: the predicted matmul time is the bf16 model's plus the adapters' own fp32 GEMMs
+    (``gemm.fp32_adapter_gemm_s``), not 15 times it."""
     c = qwen14b_lora_fp32_census
     assert (c.param_dtype_bytes, c.matmul_dtype_bytes) == (4, 2)
     assert qwen14b_lora_census.matmul_dtype_bytes == 2
     prof = _h200("80GiB", 128 * 10**9)
     fp32_adapters = plan(c, prof, PlanConfig(recompute=False)).prediction
     bf16_adapters = plan(qwen14b_lora_census, prof, PlanConfig(recompute=False)).prediction
-    assert fp32_adapters.parts["matmul"] == pytest.approx(bf16_adapters.parts["matmul"], rel=0.02)
+    # 4096 tokens: 2,016 adapter GEMMs at the fp32 roofline add 8 % to the bf16 model's 341 ms
+    assert (
+        bf16_adapters.parts["matmul"] < fp32_adapters.parts["matmul"] < 1.15 * bf16_adapters.parts["matmul"]
+    )
 
 
 def test_lora72b_fp32_adapters_at_80gib_plans_within_a_rank_share(qwen72b_lora_fp32_census):

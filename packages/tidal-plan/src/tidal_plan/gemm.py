@@ -13,8 +13,15 @@ KERNEL_OVERHEAD_S = 8e-6
 # fp32 weights on a GPU multiply without tensor cores (torch leaves TF32 off for matmuls): H100/H200
 # specify 67 TFLOP/s fp32 against 989 dense bf16, about 1/15 of the profiled bf16 rate.
 FP32_MATMUL_SHARE = 1 / 15
+# Trainable fp32 weights beside a 16-bit model (PEFT keeps LoRA adapters in fp32) multiply on fp32 SIMT
+# kernels whose time a roofline does not see at these skinny shapes (rank 16 against thousands): on the
+# H200 the 2,016 adapter GEMMs of a lora14b step (512 tokens) took 13.0 us each on average, 4.7 to 19.3 us
+# by shape (benchmarks/results/profile-lora14b-tidal-nf4-h200-2026-11-30.txt, three steps). The kernel
+# time alone: the launch or graph gap is added as for every GEMM.
+FP32_ADAPTER_GEMM_S = 13e-6
 
 __all__ = [
+    "FP32_ADAPTER_GEMM_S",
     "FP32_MATMUL_SHARE",
     "KERNEL_OVERHEAD_S",
     "block_matmuls_s",
@@ -43,19 +50,37 @@ def gemm_s(ctx: Any, m: int, k: int, n: int) -> float:
     return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S
 
 
+def fp32_adapter_gemm_s(ctx: Any, m: int, k: int, n: int) -> float:
+    """One GEMM of a trainable fp32 weight in a 16-bit model on a GPU: the fp32 roofline (4-byte operands,
+    :data:`FP32_MATMUL_SHARE` of the rate) or the measured small-shape time, whichever is longer."""
+    prof = ctx.profile
+    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12 * FP32_MATMUL_SHARE
+    roofline = max(2 * m * k * n / rate, 4 * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9))
+    return max(roofline, FP32_ADAPTER_GEMM_S) + KERNEL_OVERHEAD_S
+
+
 def matmuls_s(
-    ctx: Any, shapes: tuple[tuple[int, int, bool], ...], matmul: int, frozen: int
+    ctx: Any,
+    shapes: tuple[tuple[int, int, bool], ...],
+    matmul: int,
+    frozen: int,
+    trainable_elem: float = 0.0,
 ) -> tuple[float, float]:
     """Forward and backward seconds of a module's matmuls: forward, the input gradient, and the weight
-    gradient of trainable weights (each the same GEMM shape). Without shapes (an old census): the FLOPs
-    of ``matmul`` weights (``frozen`` of them without a weight gradient) at the peak rate."""
+    gradient of trainable weights (each the same GEMM shape). Trainable weights of ``trainable_elem`` = 4
+    bytes in a 16-bit model on a GPU are priced by :func:`fp32_adapter_gemm_s`. Without shapes (an old
+    census): the FLOPs of ``matmul`` weights (``frozen`` of them without a weight gradient) at the peak
+    rate."""
     t = ctx.tokens
     if not shapes:
         rate = matmul_rate(ctx)
         return 2 * matmul * t / rate, (4 * matmul - 2 * frozen) * t / rate
+    fp32_adapters = (
+        trainable_elem == 4 and ctx.census.matmul_dtype_bytes == 2 and ctx.profile.device_kind == "cuda"
+    )
     fwd = bwd = 0.0
     for k, n, trainable in shapes:
-        g = gemm_s(ctx, t, k, n)
+        g = fp32_adapter_gemm_s(ctx, t, k, n) if trainable and fp32_adapters else gemm_s(ctx, t, k, n)
         fwd += g
         bwd += g * (2 if trainable else 1)
     return fwd, bwd
@@ -67,12 +92,14 @@ def block_matmuls_s(ctx: Any, index: int) -> tuple[float, float]:
     if got is None:
         c = ctx.census
         if index < 0:
+            elem = c.outside_trainable_bytes / max(1, c.outside_trainable_params)
             got = matmuls_s(
-                ctx, c.outside_matmul_shapes, c.outside_matmul_params, c.outside_quantizable_params
+                ctx, c.outside_matmul_shapes, c.outside_matmul_params, c.outside_quantizable_params, elem
             )
         else:
             b = c.blocks[index]
-            got = matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params)
+            elem = b.trainable_bytes / max(1, b.trainable_params)
+            got = matmuls_s(ctx, b.matmul_shapes, b.matmul_params, b.quantizable_params, elem)
         ctx.matmul_cache[index] = got
     return got
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 
 import pytest
 import torch
@@ -417,3 +418,19 @@ def test_a_moved_weight_releases_the_graphs_under_auto():
     blocks[0](torch.randn(2, 4))
     assert bg.graphs[0].fwd is None and "weights moved" in bg.released
     assert any("weights moved" in m for m in events), events
+
+
+def test_a_busy_block_called_with_another_shape_releases_after_its_backward():
+    """A second forward of another length before the first's backward (chosen and rejected of DPO):
+    released at once, but the graph whose replay awaits its backward is kept until that backward ran."""
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    session, _ = _cpu_session("auto")
+    bg = _pretend_captured(session, blocks, torch.randn(2, 4))
+    g0 = bg.graphs[0]
+    node = nn.Identity()  # stands for the replay's autograd node (alive: its backward is pending)
+    g0.pending = weakref.ref(node)
+    blocks[0](torch.randn(3, 4))  # eager: released, but its graphs stay for the pending backward
+    assert bg.released is not None and g0.fwd is not None
+    del node  # the backward ran (its graph is gone)
+    blocks[0](torch.randn(2, 4))
+    assert g0.fwd is None and bg.report()["cuda_graphs"]["eager_calls"] == 2

@@ -260,7 +260,6 @@ class _Dispatch:
             or torch._C._current_graph_task_id() != -1
             or torch.is_autocast_enabled(dev.type)
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            or g.busy()
         ):
             g.owner.eager_calls += 1
             return g.eager(*args, **kwargs)
@@ -268,9 +267,10 @@ class _Dispatch:
         signature = _signature(spec, leaves, dev)
         if signature is not None:
             signature += (g.block.training,)  # train and eval differ in what dropout does
-        if signature is None or (g.fwd is not None and not g.matches(signature)):
-            if signature is not None and g.owner.release_on_change:
-                g.owner.release(g, signature)
+        changed = signature is not None and g.fwd is not None and not g.matches(signature)
+        if changed and g.owner.release_on_change:
+            g.owner.release(g, signature)  # also while busy: its graphs go once that backward has run
+        if signature is None or changed or g.busy():
             g.owner.eager_calls += 1
             return g.eager(*args, **kwargs)
         if g.fwd is None and not g.owner.try_capture(g, spec, leaves, signature):

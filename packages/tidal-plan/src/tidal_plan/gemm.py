@@ -32,30 +32,33 @@ __all__ = [
 ]
 
 
-def matmul_rate(ctx: Any) -> float:
-    """FLOP/s of the model's matmuls: the profiled bf16 rate under sustained load (the peak rate when the
-    profile has no sustained figure), or its fp32 share for fp32 weights on a GPU."""
+def _peak_rate(ctx: Any) -> float:
+    """The profiled bf16 FLOP/s under sustained load (the peak rate when the profile has no sustained figure)."""
     prof = ctx.profile
-    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
+    return (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12
+
+
+def matmul_rate(ctx: Any) -> float:
+    """FLOP/s of the model's matmuls: :func:`_peak_rate`, or its fp32 share for fp32 weights on a GPU."""
     fp32_on_gpu = ctx.census.matmul_dtype_bytes == 4 and ctx.profile.device_kind == "cuda"
-    return rate * FP32_MATMUL_SHARE if fp32_on_gpu else rate
+    return _peak_rate(ctx) * FP32_MATMUL_SHARE if fp32_on_gpu else _peak_rate(ctx)
+
+
+def _roofline_s(ctx: Any, m: int, k: int, n: int, elem: int, rate: float) -> float:
+    """FLOPs at ``rate`` or operands and result (``elem`` bytes each) at HBM bandwidth, whichever is longer."""
+    bytes_s = elem * (m * k + k * n + m * n) / (ctx.profile.hbm_gbps * 1e9)
+    return max(2 * m * k * n / rate, bytes_s)
 
 
 def gemm_s(ctx: Any, m: int, k: int, n: int) -> float:
-    """Roofline of one ``[m, k] x [k, n]`` matmul: FLOPs at the peak rate or its operands and result at
-    HBM bandwidth, whichever is longer, plus the per-kernel overhead."""
-    prof, elem = ctx.profile, ctx.census.matmul_dtype_bytes
-    flops_s = 2 * m * k * n / matmul_rate(ctx)
-    bytes_s = elem * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9)
-    return max(flops_s, bytes_s) + KERNEL_OVERHEAD_S
+    """Roofline of one ``[m, k] x [k, n]`` matmul in the model's dtype, plus the per-kernel overhead."""
+    return _roofline_s(ctx, m, k, n, ctx.census.matmul_dtype_bytes, matmul_rate(ctx)) + KERNEL_OVERHEAD_S
 
 
 def fp32_adapter_gemm_s(ctx: Any, m: int, k: int, n: int) -> float:
     """One GEMM of a trainable fp32 weight in a 16-bit model on a GPU: the fp32 roofline (4-byte operands,
     :data:`FP32_MATMUL_SHARE` of the rate) or the measured small-shape time, whichever is longer."""
-    prof = ctx.profile
-    rate = (prof.matmul_sustained_tflops or prof.matmul_tflops) * 1e12 * FP32_MATMUL_SHARE
-    roofline = max(2 * m * k * n / rate, 4 * (m * k + k * n + m * n) / (prof.hbm_gbps * 1e9))
+    roofline = _roofline_s(ctx, m, k, n, 4, _peak_rate(ctx) * FP32_MATMUL_SHARE)
     return max(roofline, FP32_ADAPTER_GEMM_S) + KERNEL_OVERHEAD_S
 
 

@@ -205,10 +205,12 @@ def test_synthetic_allocatable_defaults_to_free():
 H200_FIGURES = {
     "h2d_gbps": 55.4,
     "d2h_gbps": 55.2,
-    "bidir_gbps": 94.0,
     "matmul_tflops": 780.0,
     "hbm_gbps": 4200.0,
 }
+# Both directions at once depend on the host's root complex, not the card: 94 GB/s on the 16-core host the
+# machine README describes, 84 GB/s measured on the two-GPU host.
+H200_HOST16_BIDIR_GBPS = 94.0
 
 
 @pytest.mark.gpu
@@ -241,7 +243,10 @@ def test_cuda_profile_matches_the_machine_figures(tmp_path, monkeypatch):
         for k, ref in H200_FIGURES.items():
             assert abs(getattr(p, k) - ref) <= 0.10 * ref, (k, getattr(p, k), ref)
         assert p.has_fp8_tensor_cores and not p.has_fp4_tensor_cores
+        # both directions at once beat either alone on any host, and never reach their sum
+        assert max(p.h2d_gbps, p.d2h_gbps) < p.bidir_gbps < p.h2d_gbps + p.d2h_gbps
         if p.host_threads == 16:  # the host the machine README describes (16 cores)
+            assert abs(p.bidir_gbps - H200_HOST16_BIDIR_GBPS) <= 0.10 * H200_HOST16_BIDIR_GBPS
             assert 3.7e9 * 0.9 <= p.host_adamw_params_per_s <= 4.3e9 * 1.1
 
 

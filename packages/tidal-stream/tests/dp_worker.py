@@ -134,6 +134,7 @@ def _pool_run(cfg: dict, rank: int, world: int, dcfg: object, outdir: pathlib.Pa
         "source_bytes": ws["source_bytes"],
         "block_bytes": ws["block_bytes"],
         "fetches": ws["fetches"],
+        "block_fetches": ws["block_fetches"],
         "peer_pooling": rep["distributed"]["peer_pooling"],
         "events": [e["message"] for e in rep["events"]],
         "adopted_host_bytes": ws["adopted_host_bytes"],

@@ -81,12 +81,18 @@ def run_steps(ref, model, sb, device, steps=5):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [0, 1, 2])
-def test_training_bit_exact_over_five_steps(device, dtype, k):
+@pytest.mark.parametrize("hold", [False, True])
+def test_training_bit_exact_over_five_steps(device, dtype, k, hold):
     ref, model = make(dtype, device)
-    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k)
+    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k, hold_turns=hold)
     run_steps(ref, model, sb, device)
     # the streamed parameters are the very Parameter objects the optimizer holds, now on `device`
     assert all(p.device.type == device for p in model.layers.parameters())
+    st = sb.stats()
+    # trained blocks are held over the forward-to-backward turn only: their host copies change at step()
+    assert st["turn_holds"] == (5 * (k + 1) if hold else 0)
+    gathers = 5 * 5  # the optimizer step gathers every block
+    assert st["fetches"] == 5 * (2 * 5 - (k + 1 if hold else 0)) + gathers
 
 
 def test_residency_bound_and_storage_released():
@@ -122,6 +128,102 @@ def test_residency_never_exceeds_prefetch_plus_one(k):
     model(torch.randn(1, 3, 32)).backward()
     assert max(peak) == k + 1
     assert sb.stats()["resident_peak_blocks"] == k + 1
+
+
+def _frozen_pair(seed: int = 0):
+    """The model and its copy with frozen blocks (a LoRA base's case): only embed and head train."""
+    ref, model = make(torch.float32, "cpu", seed)
+    for m in (ref, model):
+        m.layers.requires_grad_(False)
+    return ref, model
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_turn_holds_keep_one_window_over_each_turn_of_frozen_blocks(k):
+    """hold_turns on frozen blocks: losses and gradients bit-identical to the resident model over 5 steps;
+    the forward's last window stays for the backward and the backward's last window for the next forward,
+    so each step after the first refills 2 x (5 - (k + 1)) blocks, never more than k + 1 at once."""
+    ref, model = _frozen_pair()
+    sizes = []
+    sb = StreamedBlocks(
+        model.layers,
+        "cpu",
+        prefetch_ahead=k,
+        hold_turns=True,
+        observer=lambda e: sizes.append(len(e.resident)),
+    )
+    opt_r = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt_s = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    w = k + 1
+    for step in range(5):
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(step))
+        for m, opt in ((ref, opt_r), (model, opt_s)):
+            torch.manual_seed(100 + step)
+            m(x).backward()
+            opt.step()
+            opt.zero_grad()
+        assert sb.resident() == tuple(range(w))  # the next forward's first blocks
+        for m in ("embed", "head"):  # the trained ones (streamed weights have no storage between uses)
+            for (name, pr), ps in zip(getattr(ref, m).named_parameters(), getattr(model, m).parameters()):
+                assert_bitwise_equal(pr.detach(), ps.detach(), f"{m}.{name} after step {step}")
+    st = sb.stats()
+    assert st["fetches"] == 5 + 9 * (5 - w)  # the first forward fills every block
+    assert st["turn_holds"] == 5 * 2 * w and max(sizes) == w == st["resident_peak_blocks"]
+    with torch.no_grad():  # an evaluation forward starts with the held blocks and keeps none
+        x = torch.randn(2, 6, 32)
+        torch.manual_seed(7)  # the blocks' dropout draws the same masks
+        loss = model(x)
+        torch.manual_seed(7)
+        assert_bitwise_equal(loss, ref(x), "eval loss")
+    assert sb.resident() == () and sb.stats()["fetches"] == st["fetches"] + 5 - w
+
+
+def test_a_forward_without_its_backward_gives_up_its_holds_at_the_next_forward():
+    ref, model = _frozen_pair()
+    sizes = []
+    sb = StreamedBlocks(
+        model.layers,
+        "cpu",
+        prefetch_ahead=1,
+        hold_turns=True,
+        observer=lambda e: sizes.append(len(e.resident)),
+    )
+    x = torch.randn(2, 6, 32)
+    model(x)  # builds a graph that is never backpropagated: its last window stays
+    assert sb.resident() == (3, 4)
+    torch.manual_seed(0)
+    loss = model(x)
+    assert sb.resident() == (3, 4)  # this forward's own holds
+    loss.backward()
+    torch.manual_seed(0)
+    ref(x).backward()
+    assert_bitwise_equal(model.embed.weight.grad, ref.embed.weight.grad, "embed grad")
+    assert max(sizes) == 2 and sb.resident() == (0, 1)
+
+
+def test_in_flight_cap_counts_the_blocks_ahead_of_the_running_one():
+    """max_inflight_bytes of one block with prefetch 2: one block fetched ahead, two resident at most."""
+    _, model = _frozen_pair()
+    sizes = []
+    block = None
+    sb = StreamedBlocks(
+        model.layers, "cpu", prefetch_ahead=2, observer=lambda e: sizes.append(len(e.resident))
+    )
+    block = max(sb.block_bytes())
+    sb.remove()
+    _, model = _frozen_pair()
+    sb = StreamedBlocks(
+        model.layers,
+        "cpu",
+        prefetch_ahead=2,
+        max_inflight_bytes=block,
+        hold_turns=True,
+        observer=lambda e: sizes.append(len(e.resident)),
+    )
+    sizes.clear()
+    model(torch.randn(2, 6, 32)).backward()
+    assert max(sizes) == 2 and sb.resident() == (0, 1)
+    assert sb.stats()["fetches"] == 5 + 3  # the last two blocks stayed for the backward
 
 
 def test_inference_matches_and_remove_restores():
@@ -188,7 +290,8 @@ def _peak(fn) -> int:
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("train", [False, True])
-def test_cuda_vram_peak_bound(k, train):
+@pytest.mark.parametrize("hold", [False, True])
+def test_cuda_vram_peak_bound(k, train, hold):
     """peak(streamed) <= 1.1 x ((k + 1) blocks + the activations measured with every block resident)."""
     device = "cuda"
     torch.manual_seed(0)
@@ -212,7 +315,7 @@ def test_cuda_vram_peak_bound(k, train):
 
     weights = sum(t.numel() * t.element_size() for t in (*ref.layers.parameters(), *ref.layers.buffers()))
     activations = _peak(step(ref))  # the resident run: its peak above the base is activations only
-    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k)
+    sb = StreamedBlocks(model.layers, device, prefetch_ahead=k, hold_turns=hold)
     block = max(sb.block_bytes())
     peak = _peak(step(model))
     bound = 1.10 * ((k + 1) * block + activations)

@@ -28,3 +28,11 @@ def option_error(name: str, given: object, accepted: str, fix: str = "") -> Opti
     if fix:
         msg += f" Fix: {fix}"
     return OptionError(msg)
+
+
+class StreamingError(StreamError):
+    """Weight or activation streaming was configured or used wrongly."""
+
+
+class SlotBudgetError(StreamingError, ValueError):
+    """A block's weights exceed the per-slot byte budget (``slot_bytes``)."""

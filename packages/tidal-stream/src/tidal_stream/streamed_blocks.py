@@ -7,6 +7,15 @@ the H2D stream, then release block ``i`` once its forward is queued. In training
 block's outputs refills the block again before its backward runs and prefetches ``i-1 .. i-k`` (reverse
 order); blocks whose backward is finished are released, the rest at the end of backward.
 
+[Note: turn holds] A training step turns twice: the backward needs first the blocks the forward ran last,
+and the next forward needs first the blocks the backward ran last. With ``hold_turns`` the window keeps
+them over each turn instead of releasing and refilling them — the last streamed blocks of a forward that
+builds a graph stay for its backward; after the backward, the first streamed blocks without trainable
+tensors (whose host copies no optimizer rewrites) stay for the next forward. Both sets are one window
+(:func:`~tidal_stream._stream_slots.window_of`), so the bound on resident blocks holds; a held block that
+the next forward does not start with (a forward without its backward, a changed set of streamed blocks)
+is released when that forward begins.
+
 [Note: storage handling] As FSDP2 reshards: the ``Parameter`` objects (and buffer tensors) stay put;
 releasing resizes their device storage to 0 bytes, refilling resizes it back and copies the host copy in
 place (``t.untyped_storage().resize_(n)`` then ``copy_``). Tensors autograd saved in forward share that
@@ -30,16 +39,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from tidal_stream._empty_guard import guard, unguard, unguarded
+from tidal_stream._block_adoption import BlockAdoption
+from tidal_stream._empty_guard import unguard, unguarded
 from tidal_stream._host_buffers import HostBuffers
-from tidal_stream._stream_slots import _Block, _Slot, _tensors_of
-from tidal_stream.errors import StreamError
+from tidal_stream._stream_slots import ResidencyEvent, _Block, _tensors_of, window_of
+from tidal_stream.errors import SlotBudgetError, StreamingError
 from tidal_stream.streams import NullStream, device_streams, record_event, stream_context
 
 __all__ = ["ResidencyEvent", "SlotBudgetError", "StreamedBlocks", "StreamingError"]
@@ -47,32 +56,6 @@ __all__ = ["ResidencyEvent", "SlotBudgetError", "StreamedBlocks", "StreamingErro
 logger = logging.getLogger(__name__)
 
 _HISTORY_CAP = 20_000  # residency events kept in ``history`` (the latest; the observer sees all)
-
-
-class StreamingError(StreamError):
-    """Weight or activation streaming was configured or used wrongly."""
-
-
-class SlotBudgetError(StreamingError, ValueError):
-    """A block's weights exceed the per-slot byte budget (``slot_bytes``)."""
-
-
-@dataclass(frozen=True)
-class ResidencyEvent:
-    """One change of the set of resident blocks, as given to ``observer`` and kept in ``history``."""
-
-    seq: int
-    """Running number of the event."""
-    kind: Literal["fetch", "release"]
-    """A block's device copy was refilled or released."""
-    block: int
-    """Index of the block in the list given to ``StreamedBlocks``."""
-    phase: Literal["forward", "backward", "prefetch", "gather"]
-    """What triggered it: a forward hook, a backward hook, a prefetch, or ``gathered()``."""
-    resident: tuple[int, ...]
-    """Blocks resident after the change."""
-    resident_bytes: int
-    """Device bytes of the resident blocks after the change."""
 
 
 class StreamedBlocks:
@@ -88,8 +71,8 @@ class StreamedBlocks:
         pin: Page-lock host copies when no arena is given (CUDA only).
         streams: Optional ``DeviceStreams``; defaults to the shared ones of ``device``.
         observer: Optional callback receiving every :class:`ResidencyEvent`.
-        max_inflight_bytes: Optional cap on the device bytes of streamed blocks held at once (the
-            running block plus prefetches); prefetching pauses at the cap. Must fit the largest block.
+        max_inflight_bytes: Optional cap on the device bytes of the streamed blocks fetched ahead of the
+            running one; prefetching pauses at the cap. Must fit the largest block.
         keep_resident: Blocks held on the device permanently (their host copies are kept, so
             :meth:`set_resident` can stream them later); they do not count against the window.
         before_fetch: Optional ``fn(block_index, tensors)`` called before a block's host copies are
@@ -101,6 +84,7 @@ class StreamedBlocks:
             place as its own host copy (no private copy), e.g. a view of the machine-wide shared mapping
             of :mod:`tidal_stream.shared_host`; it must stay valid and unchanged while streamed (and be
             page-locked on CUDA, e.g. ``cudaHostRegister``, or the H2D copies from it are synchronous).
+        hold_turns: Keep the window's blocks over the turns of a training step (see [Note: turn holds]).
 
     Raises:
         StreamingError: a parameter is shared by two blocks, or a block tensor is not dense.
@@ -123,6 +107,7 @@ class StreamedBlocks:
         before_fetch: Callable[[int, list[torch.Tensor]], None] | None = None,
         stream_trainable: bool = True,
         adopt_host: Callable[[torch.Tensor], bool] | None = None,
+        hold_turns: bool = False,
     ) -> None:
         if not isinstance(prefetch_ahead, int) or isinstance(prefetch_ahead, bool) or prefetch_ahead < 0:
             raise StreamingError(
@@ -170,8 +155,11 @@ class StreamedBlocks:
         self.stream_trainable = bool(stream_trainable)
         self._pinned: set[int] = set()
         self.adopt_host = adopt_host
-        self._adopted_bytes = 0  # host bytes used in place (adopt_host), not copied
-        self._blocks = self._adopt(blocks)
+        self.hold_turns = bool(hold_turns)
+        self._turn_holds = 0  # blocks kept over a turn (each one refill saved when it is used)
+        adoption = BlockAdoption(self.device, self.host, slot_bytes, self.stream_trainable, adopt_host)
+        self._blocks = adoption.adopt(blocks)
+        self._adopted_bytes = adoption.adopted_bytes  # host bytes used in place (adopt_host), not copied
         largest = max(b.nbytes for b in self._blocks)
         if max_inflight_bytes is not None and max_inflight_bytes < largest:
             raise SlotBudgetError(
@@ -184,80 +172,6 @@ class StreamedBlocks:
         for b in self._blocks:
             self._hooks.append(b.module.register_forward_pre_hook(self._make_pre_hook(b.index)))
             self._hooks.append(b.module.register_forward_hook(self._make_post_hook(b.index)))
-
-    # ----------------------------------------------------------------------------------- setup
-    def _adopt(self, modules: list[nn.Module]) -> list[_Block]:
-        # pass 1: validate everything before touching any tensor, so an error leaves the model intact
-        seen: dict[int, int] = {}
-        plan: list[list[tuple[nn.Module, str, torch.Tensor, bool]]] = []
-        for i, mod in enumerate(modules):
-            found: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
-            for sub in mod.modules():
-                for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
-                    for name, t in store.items():
-                        if t is None or (is_param and t.requires_grad and not self.stream_trainable):
-                            continue
-                        if id(t) in seen:
-                            if seen[id(t)] != i:
-                                raise StreamingError(
-                                    f"StreamedBlocks: tensor {name!r} is shared by blocks {seen[id(t)]} and {i}; "
-                                    "accepted: blocks that own their weights. Fix: keep tied weights out of "
-                                    "the streamed blocks (leave those blocks resident)."
-                                )
-                            continue
-                        if t.numel() > 0 and t.untyped_storage().nbytes() == 0:
-                            raise StreamingError(
-                                f"StreamedBlocks: block {i} tensor {name!r} has no storage (already streamed "
-                                "or released); accepted: materialized weights. Fix: call .remove() on the "
-                                "StreamedBlocks that owns these blocks first."
-                            )
-                        seen[id(t)] = i
-                        found.append((sub, name, t, is_param))
-            nbytes = sum(t.numel() * t.element_size() for _, _, t, _ in found)
-            if self.slot_bytes is not None and nbytes > self.slot_bytes:
-                raise SlotBudgetError(
-                    f"StreamedBlocks: block {i} ({type(mod).__name__}) holds {nbytes} bytes of weights, more "
-                    f"than slot_bytes={self.slot_bytes}; accepted: every block <= slot_bytes. Fix: raise "
-                    f"slot_bytes to at least {nbytes}, or split the block."
-                )
-            plan.append(found)
-        # pass 2: move every tensor to host memory and empty its device storage
-        align = 512  # the arena's default block alignment
-        own = [t for f in plan for _, _, t, _ in f if not self._adopts(t)]
-        self.host.reserve_own_arena(
-            sum((t.numel() * t.element_size() + align - 1) // align * align for t in own)
-        )
-        out: list[_Block] = []
-        for i, (mod, found) in enumerate(zip(modules, plan)):
-            slots = [self._adopt_tensor(sub, name, t, is_param, i) for sub, name, t, is_param in found]
-            out.append(_Block(i, mod, slots, sum(s.nbytes for s in slots)))
-        return out
-
-    def _adopts(self, t: torch.Tensor) -> bool:
-        """``t`` is a frozen host tensor that ``adopt_host`` lets serve as its own host copy."""
-        if self.adopt_host is None or t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
-            return False
-        return bool(self.adopt_host(t))
-
-    def _adopt_tensor(self, owner: nn.Module, name: str, t: torch.Tensor, is_param: bool, i: int) -> _Slot:
-        src = t.detach()
-        if self._adopts(t):
-            host = src  # the shared host copy itself: read in place, never written (frozen)
-            self._adopted_bytes += src.numel() * src.element_size()
-        else:
-            host = self.host.empty_like(src.contiguous(), tag=f"stream.block{i}.{name}")
-            host.copy_(src)
-        dev = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # [same shape], contiguous
-        if is_param:
-            t.data = dev  # the Parameter object stays; only its data moves
-            tensor = t
-        else:
-            owner._buffers[name] = dev
-            tensor = dev
-        nbytes = dev.untyped_storage().nbytes()
-        dev.untyped_storage().resize_(0)
-        guard(tensor, f"block {i} {type(owner).__name__}.{name}")  # a clear error on reads between uses
-        return _Slot(tensor, host, nbytes, bool(is_param and t.requires_grad))
 
     # ----------------------------------------------------------------------------------- residency
     def _record(self, kind: Literal["fetch", "release"], block: int, phase: Any) -> None:
@@ -312,6 +226,7 @@ class StreamedBlocks:
             if not cuda and not b.sourced:
                 self._h2d_ms_cpu += (time.perf_counter() - t0) * 1e3
         b.resident = True
+        b.fetches += 1
         self._source_bytes += b.nbytes if b.sourced else 0
         self._h2d_bytes += 0 if b.sourced else b.nbytes
         self._fetches += 1
@@ -355,26 +270,56 @@ class StreamedBlocks:
                 self._stalls.append((t0e, t1e))
             b.ready = None
 
-    def _prefetch(self, order: Sequence[int], compute: Any) -> None:
+    def _prefetch(self, order: Sequence[int], running: int) -> None:
+        """Fetch the blocks of ``order`` ahead of block ``running`` while the window has room."""
+        compute = self._blocks[running].compute
         for j in order:
             if j in self._pinned or self._blocks[j].resident:
                 continue
             if self._n_resident() >= self.prefetch_ahead + 1:
                 return
             cap = self.max_inflight_bytes
-            if cap is not None and self._streamed_resident_bytes() + self._blocks[j].nbytes > cap:
+            ahead = self._streamed_resident_bytes() - (
+                0 if running in self._pinned else self._blocks[running].nbytes
+            )
+            if cap is not None and ahead + self._blocks[j].nbytes > cap:
                 return
             self._blocks[j].compute = compute
             self._fetch(j, "prefetch", compute)
+
+    def _streamed_order(self, reverse: bool = False) -> list[_Block]:
+        """The streamed (not kept resident) blocks in forward order, or backward order."""
+        order = [b for b in self._blocks if b.index not in self._pinned]
+        return order[::-1] if reverse else order
+
+    def _window(self, order: list[_Block]) -> frozenset[int]:
+        return window_of(order, self.prefetch_ahead, self.max_inflight_bytes)
+
+    def _head_holds(self) -> frozenset[int]:
+        """The blocks kept from a backward for the next forward (see [Note: turn holds])."""
+        if not self.hold_turns:
+            return frozenset()
+        head = self._window(self._streamed_order())
+        return frozenset(i for i in head if not any(s.trainable for s in self._blocks[i].slots))
+
+    def _release_stale_holds(self, i: int) -> None:
+        """A forward reaches block ``i``: release the blocks after it it does not start with (held for a
+        backward that never came, or for a start the streamed set no longer has)."""
+        wanted = self._window([b for b in self._streamed_order() if b.index >= i])
+        for b in self._blocks[i:]:
+            if b.resident and b.index not in wanted:
+                self._release(b.index, "forward")
 
     # ----------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: Any) -> None:
             in_bwd = torch._C._current_graph_task_id() != -1
+            if self.hold_turns and not in_bwd:
+                self._release_stale_holds(i)
             self._make_ready(i, "backward" if in_bwd else "forward")
             if not in_bwd:
                 n = len(self._blocks)
-                self._prefetch(range(i + 1, min(n, i + 1 + self.prefetch_ahead)), self._blocks[i].compute)
+                self._prefetch(range(i + 1, min(n, i + 1 + self.prefetch_ahead)), i)
 
         return pre_hook
 
@@ -388,6 +333,9 @@ class StreamedBlocks:
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda _g: self._pre_backward(i), mode="any"
                 )
+                if self.hold_turns and i in self._window(self._streamed_order(reverse=True)):
+                    self._turn_holds += 1
+                    return  # the backward starts with this block: it stays (see [Note: turn holds])
             self._release(i, "forward")
 
         return post_hook
@@ -401,14 +349,20 @@ class StreamedBlocks:
             self._bwd_task = task
             # release whatever is still resident once this backward pass has run
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        head = self._head_holds()
         for b in self._blocks[i + 1 :]:
-            self._release(b.index, "backward")
+            if b.index not in head:  # the head waits for the next forward (see [Note: turn holds])
+                self._release(b.index, "backward")
         self._make_ready(i, "backward")
-        self._prefetch(range(i - 1, max(-1, i - 1 - self.prefetch_ahead), -1), self._blocks[i].compute)
+        self._prefetch(range(i - 1, max(-1, i - 1 - self.prefetch_ahead), -1), i)
 
     def _end_backward(self) -> None:
         self._bwd_task = -1
+        head = self._head_holds()
         for b in self._blocks:
+            if b.index in head and b.resident and b.index not in self._pinned:
+                self._turn_holds += 1
+                continue  # the next forward starts with it (see [Note: turn holds])
             self._release(b.index, "backward")
 
     # ----------------------------------------------------------------------------------- public
@@ -527,7 +481,8 @@ class StreamedBlocks:
         (time compute waited for weights), ``fetches``, ``demand_fetches`` (not prefetched in time),
         ``resident_peak_blocks`` and ``resident_peak_bytes`` (of the streaming window, blocks kept
         resident excluded), ``resident_now``, ``kept_resident``, ``block_bytes``, ``degraded``,
-        ``adopted_host_bytes`` (host copies used in place through ``adopt_host``, not copied).
+        ``adopted_host_bytes`` (host copies used in place through ``adopt_host``, not copied),
+        ``turn_holds`` (blocks kept over a turn, [Note: turn holds]), ``block_fetches`` (refills per block).
 
         On CUDA this synchronizes the recorded timing events.
         """
@@ -549,12 +504,16 @@ class StreamedBlocks:
             "prefetch_ahead": self.prefetch_ahead,
             "degraded": list(self.host.degraded),
             "adopted_host_bytes": self._adopted_bytes,
+            "turn_holds": self._turn_holds,
+            "block_fetches": [b.fetches for b in self._blocks],
         }
 
     def reset_stats(self) -> None:
         """Zero the counters and the history (e.g. after warm-up)."""
         self._drain_timings(block=True)
-        self._h2d_bytes = self._source_bytes = self._fetches = self._demand_fetches = 0
+        self._h2d_bytes = self._source_bytes = self._fetches = self._demand_fetches = self._turn_holds = 0
+        for b in self._blocks:
+            b.fetches = 0
         self._h2d_ms_cpu = self._stall_ms_cpu = self._h2d_ms_done = self._stall_ms_done = 0.0
         self._peak_blocks = self._n_resident()
         self._peak_bytes = self._streamed_resident_bytes()

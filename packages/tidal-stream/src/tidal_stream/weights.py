@@ -52,6 +52,9 @@ from torch import nn
 
 from tidal_stream.activations import ActivationHandle, install_activation_policy
 from tidal_stream.attention import AttentionHandle, install_attention
+from tidal_stream.block_stack import check_indices as _check_indices
+from tidal_stream.block_stack import find_blocks, select_blocks
+from tidal_stream.block_stack import resolve_blocks as _resolve_blocks
 from tidal_stream.errors import option_error
 from tidal_stream.options import mostly_trained
 from tidal_stream.streamed_blocks import StreamedBlocks, StreamingError
@@ -164,19 +167,6 @@ class WeightStreamingHandle:
         self.sb.remove()
 
 
-def _check_indices(name: str, indices: Any, n: int) -> list[int]:
-    if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
-        raise option_error(name, indices, f"a list of block indices in 0..{n - 1}")
-    out = []
-    for i in indices:
-        if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
-            raise option_error(name, indices, f"a list of block indices in 0..{n - 1}", f"drop {i!r}.")
-        out.append(i % n)
-    if len(set(out)) != len(out):
-        raise option_error(name, indices, "distinct block indices", "remove the duplicates.")
-    return out
-
-
 def install_weight_streaming(
     model: nn.Module | None,
     blocks: Sequence[nn.Module],
@@ -190,6 +180,7 @@ def install_weight_streaming(
     adaptive: bool = False,
     stream_trainable: bool = True,
     adopt_host: Any | None = None,
+    hold_turns: bool = True,
 ) -> WeightStreamingHandle:
     """Stream the weights of ``blocks[i]`` for ``i in streamed_indices``; the other blocks are untouched
     (or, with ``adaptive``, kept resident by the same machinery so they can be streamed later).
@@ -200,7 +191,7 @@ def install_weight_streaming(
         streamed_indices: Blocks whose weights live on the host between uses.
         device: The compute device.
         prefetch_depth: Streamed blocks fetched ahead of the running one.
-        max_inflight_bytes: Cap on streamed-block bytes on the device at once (None: no cap).
+        max_inflight_bytes: Cap on the bytes of streamed blocks fetched ahead of the running one (None: no cap).
         arena: Optional ``tidal_arena.PinnedArena`` for the host copies.
         streams: Optional ``DeviceStreams`` (default: the device's shared ones).
         adaptive: Cover every block so :meth:`WeightStreamingHandle.set_streamed` works (host copies of
@@ -208,6 +199,8 @@ def install_weight_streaming(
         stream_trainable: Stream trainable parameters too (full fine-tuning; the optimizer must then
             update the host copies). False keeps them resident (LoRA adapters).
         adopt_host: ``StreamedBlocks``' ``adopt_host``: frozen host tensors used in place as host copies.
+        hold_turns: Keep the window's blocks over the turns of a training step instead of refilling them
+            (``StreamedBlocks``' [Note: turn holds]).
 
     Returns:
         A :class:`WeightStreamingHandle` (``.remove()``, ``.stats()``).
@@ -228,6 +221,7 @@ def install_weight_streaming(
         keep_resident=keep,
         stream_trainable=stream_trainable,
         adopt_host=adopt_host,
+        hold_turns=hold_turns,
     )
     logger.info(
         "weight streaming on %s: %d of %d blocks streamed (%s), prefetch %d",
@@ -313,49 +307,6 @@ def keep_latest_activations(
             out[i] = "keep"
             room -= activation_bytes[i]
     return out
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The block stack: the ``nn.ModuleList`` holding the most parameters whose children share a type."""
-    best, best_n = None, 0
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = mod, n
-    if best is None:
-        raise StreamingError(
-            f"find_blocks: no nn.ModuleList of same-type blocks found in {type(model).__name__}; accepted: a "
-            "model with a layer stack. Fix: pass blocks= (a ModuleList, a list of modules or an attribute path)."
-        )
-    return list(best)
-
-
-def select_blocks(name: str, value: Any, n: int) -> list[int]:
-    """Block indices selected by a part-2 option value: True (all), False (none), a fraction in [0, 1]
-    (the leading ``round(f × n)`` blocks) or a list of indices. ``"auto"`` is resolved by the caller."""
-    if value is True:
-        return list(range(n))
-    if value is False or value is None:
-        return []
-    if isinstance(value, float):
-        if not 0.0 <= value <= 1.0:
-            raise option_error(name, value, "True, False, 'auto', a fraction in [0, 1] or a list of indices")
-        return list(range(round(value * n)))
-    return sorted(_check_indices(name, value, n))
-
-
-def _resolve_blocks(model: nn.Module, spec: Any) -> list[nn.Module]:
-    if spec is None:
-        return find_blocks(model)
-    if isinstance(spec, str):
-        obj: Any = model
-        for part in spec.split("."):
-            if not hasattr(obj, part):
-                raise option_error("blocks", spec, "an attribute path of the model, e.g. 'model.layers'")
-            obj = getattr(obj, part)
-        spec = obj
-    return list(spec)
 
 
 class WeightsExtension:

@@ -232,9 +232,10 @@ def render_doc(
             "After its first step tidal logs what `tidal_plan.predict` expects of the placement it ends with, at",
             "the tokens that step measured (the plan itself was sized for 4,096); here against the measured step.",
             "A row's prediction is the cost model of its run's commit: the 2026-11-30 lora14b rows priced the",
-            "CUDA graphs (blocks listed) but not yet PEFT's fp32 adapter GEMMs (13 us each, since 9ae5780);",
+            "CUDA graphs (blocks listed) but neither PEFT's fp32 adapter GEMMs (13 us each) nor the block-by-block",
+            "replay of streamed refills (`tidal_plan.stream_schedule`, which prices turn holds);",
             "`python benchmarks/plan/lora14b_placements.py` prints the current model's prediction of those",
-            "placements (NF4 149, FP8 162, exact bf16 449 ms).",
+            "placements (NF4 149, FP8 162, exact bf16 498 ms).",
             "",
             predicted,
         ]

@@ -1,8 +1,9 @@
 """The cost model on the three lora14b placements measured with CUDA graphs (no GPU needed).
 
 On 2026-11-30 the benchmark harness ran LoRA on the Qwen2.5-14B shape at 512 tokens under a 24 GiB budget
-with CUDA graphs on (``benchmarks/results/compare-lora14b-tidal-graphs-h200-2026-11-30.jsonl``). After the
-first step each run ended with this placement (from its ``"placement"`` decision line):
+with CUDA graphs on (``benchmarks/results/compare-lora14b-tidal-graphs-h200-2026-11-30.jsonl``; exact bf16
+again with turn holds, ``compare-lora14b-turn-holds-h200x2-2026-11-30.jsonl``). After the first step each
+run ended with this placement (from its ``"placement"`` decision line):
 
 - NF4: every block resident and keeping its activations; optimizer on the GPU;
 - FP8: every block resident; blocks 0-2, 19-26 and 40-47 keep their activations, the others recompute;
@@ -51,7 +52,7 @@ FP8_KEEP = {0, 1, 2, *range(19, 27), *range(40, 48)}
 PLACEMENTS = [
     ("tidal NF4", "nf4", set(), lambda i: "keep", 0.154),
     ("tidal FP8", "fp8", set(), lambda i: "keep" if i in FP8_KEEP else "recompute", 0.174),
-    ("tidal exact bf16", None, set(range(27, 48)), lambda i: "keep" if i == 47 else "recompute", 0.530),
+    ("tidal exact bf16", None, set(range(27, 48)), lambda i: "keep" if i == 47 else "recompute", 0.492),
 ]
 
 

@@ -16,6 +16,8 @@ def test_graphs_predict_less_than_eager_for_every_placement(capsys):
     assert [r["engine"] for r in rows] == ["tidal NF4", "tidal FP8", "tidal exact bf16"]
     for r in rows:
         assert 0 < r["graphs"] < r["eager"]
-    # the resident placements lose the host's dispatch entirely; bf16 keeps it for its 21 streamed blocks
-    assert rows[0]["graphs"] < 0.3 * rows[0]["eager"] and rows[2]["graphs"] > 0.7 * rows[2]["eager"]
+    # the resident placements lose the host's dispatch entirely; bf16 keeps it for its 21 streamed blocks,
+    # so graphs take off less than half the share they take off NF4's step
+    share = [r["graphs"] / r["eager"] for r in rows]
+    assert share[0] < 0.3 and share[2] > 2 * share[0]
     assert "measured/predicted" in capsys.readouterr().out

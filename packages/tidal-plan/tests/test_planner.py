@@ -14,7 +14,10 @@ from tidal_plan import (
     compare_prediction,
     plan,
 )
-from tidal_plan.cost import KERNEL_OVERHEAD_S
+from tidal_plan.cost import KERNEL_OVERHEAD_S, gpu_time
+from tidal_plan.planner import _context
+from tidal_plan.predict import plan_state
+from tidal_plan.stream_schedule import streamed_step_s
 from tidal_plan.units import GiB
 
 
@@ -55,11 +58,15 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
     full_int8 = plan(qwen14b_lora_census, prof, PlanConfig(quantize="int8", bytes_per_weight=bpw))
     assert full_int8.vram_breakdown["loss"] == 12 * 4096 * 152064 and full_int8.streamed_blocks
     # quantize="auto" under prefer="speed" takes a smaller format only for a step at least 10 % shorter.
-    # None is here: 48 blocks saving 833 MiB of activations each at 4096 tokens do not fit beside any of
-    # the weights, and offloading one costs about 15 ms of link in forward against 5 ms of its compute, so
-    # recomputing the activations sets the step whatever the weights' format: exact stays.
+    # At 4096 tokens exact storage streams 36 blocks: replayed block by block (tidal_plan.stream_schedule)
+    # their refills cannot start before the window frees and the link idles while the resident blocks
+    # run, so the step is longer than its link time; a smaller format keeps more blocks resident and
+    # gains more than 10 %: "auto" takes one, and says why.
     for chunk in (None, 1024):
         exact = p if chunk is None else plan(qwen14b_lora_census, prof, PlanConfig(loss_chunk_tokens=chunk))
+        # longer than the link's time and than the compute's: neither hides the other whole
+        assert exact.prediction.step_s > max(exact.prediction.transfer_s, exact.prediction.compute_s)
+        faster = []
         for fmt in ("int8", "nf4"):
             alt = plan(
                 qwen14b_lora_census,
@@ -68,7 +75,8 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
             )
             if fmt == "int8" and chunk:
                 assert not alt.streamed_blocks  # int8 keeps every block resident beside a chunked loss
-            assert alt.prediction.step_s > 0.9 * exact.prediction.step_s, (fmt, chunk, alt.explain())
+            if alt.prediction.step_s < 0.9 * exact.prediction.step_s:
+                faster.append(fmt)
         q = plan(
             qwen14b_lora_census,
             prof,
@@ -76,7 +84,9 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
         )
         _show(f"Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed', loss chunk {chunk}", q)
         _check_invariants(q, 24 * GiB, 64 * 10**9)
-        assert q.quantize is None and q.prediction == exact.prediction
+        assert faster and q.quantize in faster
+        assert q.prediction.step_s < 0.9 * exact.prediction.step_s
+        assert any(n.startswith("quantize='auto', prefer='speed'") for n in q.notes), q.notes
 
     m = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, prefer="memory"))
     assert m.quantize is None  # exact fits: "auto" quantizes only when it must
@@ -386,16 +396,25 @@ def test_pcie_arithmetic_of_an_all_streamed_plan(qwen14b_lora_census):
     prof = _h200("24GiB", 64 * 10**9)
     p = plan(c, prof, PlanConfig(param_offload=True, recompute=True, offload=True))
     # Streamed blocks stream every byte, adapters included (they update on the host), in forward and again
-    # in backward; the adapters' gradients land in pinned host buffers.
+    # in backward, but for the window of 3 blocks (prefetch 2) that turn holds keep at each of the step's two
+    # turns; the adapters' gradients land in pinned host buffers.
     block = [b.frozen_bytes + b.trainable_bytes + b.buffer_bytes for b in c.blocks]
     streamed, grads = sum(block), sum(b.trainable_bytes for b in c.blocks)
     assert c.outside_trainable_bytes == 0 and grads > 0
     assert p.tiers["pinned_host"] == streamed + grads
-    h2d, d2h = 2 * streamed, grads
+    h2d, d2h = 2 * streamed - 6 * block[0], grads
     expect = max(h2d / 55.4e9, d2h / 55.2e9, (h2d + d2h) / 94.0e9)
     assert p.prediction.transfer_s == pytest.approx(expect, rel=1e-12)
-    first = block[0] / 55.4e9  # the first fetch cannot overlap anything
-    exposed = max(0.0, p.prediction.transfer_s - p.prediction.compute_s) + first
+    # the weights' exposure is the block-by-block replay of the step's refills
+    g = gpu_time(
+        _context(c, prof, PlanConfig(param_offload=True, recompute=True, offload=True)), plan_state(p)
+    )
+    turn = g.total_s - sum(g.block_forward_s) - sum(g.block_backward_s)
+    refill = [b / 55.4e9 for b in block]
+    replay = streamed_step_s(g.block_forward_s, g.block_backward_s, turn, refill, 2, 3, [True] * len(block))
+    compute = p.prediction.compute_s
+    assert replay > compute + refill[0]  # the step's first refills wait for the window, not for compute
+    exposed = max(expect - compute, replay - compute)
     assert p.prediction.exposed_transfer_s == pytest.approx(exposed, rel=1e-12)
     assert p.prediction.bound == "pcie" and p.max_inflight_bytes == 2 * block[0]
 

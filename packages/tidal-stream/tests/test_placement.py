@@ -737,8 +737,10 @@ def _predicting_session(monkeypatch, h2d_gbps: float) -> tuple:
 @pytest.mark.parametrize("data_parallel", [False, True])
 def test_refinement_reports_the_cost_model_at_the_measured_tokens(monkeypatch, data_parallel):
     """The room (7.93 GiB) stops streaming 3 blocks of 2 GiB, the last block keeps its 1.5 GiB of
-    activations; the log adds the cost model's step of that placement at the measured tokens, which the
-    one block still streaming makes longer on a slow link than on a fast one."""
+    activations; the log adds the cost model's step of that placement at the measured tokens. The one
+    block still streaming fits the window: turn holds keep it over both turns of every step, so it never
+    crosses the link again: alone, the link's speed does not change the predicted step; under data
+    parallel the host updates the trained weights outside the stack, whose copies a slow link delays."""
     steps = []
     for gbps in (1e6, 1e-8):
         session, opt, foreign, streaming, acts = _predicting_session(monkeypatch, gbps)
@@ -753,7 +755,7 @@ def test_refinement_reports_the_cost_model_at_the_measured_tokens(monkeypatch, d
         assert f"the cost model predicts {data['predicted_step_s'] * 1e3:.0f} ms per step" in msg
         assert f"at the measured {tokens} tokens" in msg
         steps.append(data["predicted_step_s"])
-    assert 0 < steps[0] < steps[1]
+    assert 0 < steps[0] < steps[1] if data_parallel else 0 < steps[0] == steps[1]
     # without the plan's options (a plan given as plan=) there is nothing to predict with
     session, opt, foreign, *_ = _predicting_session(monkeypatch, 50.0)
     session.plan_config = None

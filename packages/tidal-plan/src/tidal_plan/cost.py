@@ -11,6 +11,7 @@ from tidal_plan.gemm import KERNEL_OVERHEAD_S, block_matmuls_s, gemm_launches, m
 from tidal_plan.hardware import HardwareProfile
 from tidal_plan.param_bytes import adamw_bytes, host_slot_bytes, state_bytes_per_param
 from tidal_plan.plan_types import StepPrediction
+from tidal_plan.stream_schedule import held_blocks, streamed_step_s
 
 # Pageable (unpinned) host memory copies at about this share of the pinned rate (15.7 vs 55.4 GB/s on
 # the GPU machine); used only for bytes that the page-lock limit pushes out of pinned memory.
@@ -459,6 +460,24 @@ def activation_offload_exposed_s(
     return exposed(act) - exposed(0) + fill
 
 
+def _frozen(c: ModelCensus) -> list[bool]:
+    """Per block: it streams no trained weight (LoRA: the adapters stay resident, as ``wrap()`` keeps
+    them when they are at most half the block's bytes), so it may wait on the device for the next step."""
+    return [
+        b.trainable_bytes <= 0.5 * (b.trainable_bytes + b.frozen_bytes + b.buffer_bytes) for b in c.blocks
+    ]
+
+
+def _streamed_weights_s(
+    ctx: Context, gpu: GpuTime, sb: dict[int, int], window: int, h2d_rate: float
+) -> float:
+    """Seconds of a step as the streamed blocks' refills let the compute run (see stream_schedule)."""
+    turn_s = gpu.total_s - sum(gpu.block_forward_s) - sum(gpu.block_backward_s)
+    refill_s = [sb[i] / h2d_rate if i in sb else None for i in range(len(gpu.block_forward_s))]
+    args = (gpu.block_forward_s, gpu.block_backward_s, turn_s, refill_s, ctx.depth, window)
+    return streamed_step_s(*args, _frozen(ctx.census))
+
+
 def evaluate(ctx: Context, s: State) -> Evaluation:
     """Bytes per tier and predicted step time of ``s``."""
     c, prof, n_tok = ctx.census, ctx.profile, ctx.tokens
@@ -531,7 +550,9 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     gpu = gpu_time(ctx, s)
     compute_s, recompute_s = gpu.total_s, gpu.recompute_s
 
-    h2d = 2 * sum(sb.values()) + offload_bytes
+    # each streamed block is refilled for its forward and its backward, but for those turn holds keep
+    tail, head = held_blocks(streamed, round(window / max_streamed) if streamed else 0, _frozen(c))
+    h2d = 2 * sum(sb.values()) - sum(sb[i] for i in tail + head) + offload_bytes
     h2d += sum(b.trainable_bytes for b in host_opt if s.resident[b.index])  # updated weights return
     h2d += 0 if s.outside_opt_gpu else c.outside_trainable_bytes
     d2h = offload_bytes + host_grads
@@ -541,14 +562,15 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     bidir_rate = prof.bidir_gbps * 1e9 * (1 - slow + slow * PAGEABLE_RATE_SHARE)
     rates = (h2d_rate, d2h_rate, bidir_rate)
     transfer_s = _link_s(h2d, d2h, rates)
-    # Weights and gradients: their copies spread over the step; the first streamed block's fetch overlaps
-    # only the forward of the resident blocks before it. Offloaded activations cross in fixed phases (see
-    # their function); all traffic together never hides in less than the link's time for it.
-    fill_s = max(0.0, sb[streamed[0]] / h2d_rate - gpu.forward_before(streamed[0])) if streamed else 0.0
+    # Gradients and returning weights: their copies spread over the step. Streamed weights: the step as
+    # their refills allow, block by block (tidal_plan.stream_schedule). Offloaded activations cross in
+    # fixed phases (see their function); all traffic together never hides in less than the link's time.
     pooled_s = _link_s(h2d - offload_bytes, d2h - offload_bytes, rates)
+    weights_s = _streamed_weights_s(ctx, gpu, sb, round(window / max_streamed), h2d_rate) if streamed else 0.0
     offload_s = activation_offload_exposed_s(ctx, s, gpu, sum(sb.values()), host_grads, rates)
-    exposed_transfer_s = max(transfer_s - compute_s, max(0.0, pooled_s - compute_s) + offload_s, 0.0)
-    exposed_transfer_s += min(fill_s, pooled_s)
+    exposed_transfer_s = max(
+        transfer_s - compute_s, max(0.0, max(pooled_s, weights_s) - compute_s) + offload_s
+    )
 
     hosted = sum(b.trainable_params for b in host_opt) + (0 if s.outside_opt_gpu else out_train)
     adamw_rate = host_update_rate(ctx, s.moment)

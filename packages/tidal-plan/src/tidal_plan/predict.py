@@ -17,7 +17,7 @@ from tidal_plan.hardware import HardwareProfile
 from tidal_plan.plan_types import Plan, StepPrediction
 from tidal_plan.planner import _context
 
-__all__ = ["predict"]
+__all__ = ["plan_state", "predict"]
 
 
 def predict(
@@ -53,8 +53,13 @@ def predict(
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise PlanConfigError("batch_tokens", tokens, "a positive int", "pass the tokens of one step")
     config = dataclasses.replace(config or PlanConfig(), batch_tokens=tokens)
-    ctx = _context(census, profile, config)
-    state = State(
+    return evaluate(_context(census, profile, config), plan_state(placement)).prediction
+
+
+def plan_state(placement: Plan) -> State:
+    """The cost model's state of ``placement``'s choices (storage, moments, and per block: weights,
+    activations, optimizer)."""
+    return State(
         fmt=placement.quantize or "exact",
         moment=placement.optimizer.moment_dtype,
         resident=[b.weights == "resident" for b in placement.blocks],
@@ -62,4 +67,3 @@ def predict(
         opt_gpu=[b.optimizer == "gpu" for b in placement.blocks],
         outside_opt_gpu=placement.optimizer.outside_on_gpu,
     )
-    return evaluate(ctx, state).prediction

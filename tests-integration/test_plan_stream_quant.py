@@ -109,8 +109,11 @@ def _check_streamed(report: dict, p) -> None:
     """The planned blocks were really streamed, every step, and gradients really left the device."""
     ws = report["weight_streaming"]
     assert ws["streamed"] == list(p.streamed_blocks)
-    streamed_bytes = sum(ws["block_bytes"][i] for i in p.streamed_blocks)
-    assert ws["h2d_bytes"] >= STEPS * streamed_bytes  # refilled at least once per step
+    streamed = list(p.streamed_blocks)
+    assert all(ws["block_fetches"][i] > 0 for i in streamed)
+    assert ws["h2d_bytes"] == sum(ws["block_bytes"][i] * ws["block_fetches"][i] for i in streamed)
+    # each step uses each streamed block in forward and in backward: refilled, or kept over a turn
+    assert sum(ws["block_fetches"][i] for i in streamed) + ws["turn_holds"] >= 2 * STEPS * len(streamed)
     assert report["d2h_bytes"] > 0
 
 

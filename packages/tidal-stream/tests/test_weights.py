@@ -204,6 +204,29 @@ def test_install_from_wrap_options():
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
 
+def test_a_base_held_in_buffers_streams_without_its_adapters():
+    """A quantized base is held in buffers (as tidal_quant's QuantLinear holds it): the adapters are still
+    a small share of each block's bytes, so they stay resident while the base streams, and the base's
+    first blocks wait on the device for the next forward."""
+    ref, model = make()
+    for net in (ref, model):
+        for layer in net.stack:
+            w = layer.base.weight.detach()
+            del layer.base.weight
+            layer.base.register_buffer("weight", w)
+    s = fake_session(param_offload=True)
+    ext = install(s, model, s.options)
+    assert not ext.weights.sb.stream_trainable
+    assert model.stack[0].lora_a.weight.untyped_storage().nbytes() > 0  # resident
+    x = torch.randn(2, 5, 24)
+    ref(x).backward()
+    model(x).backward()
+    for pr, pm in zip(ref.parameters(), model.parameters()):
+        if pr.requires_grad:
+            assert_bitwise_equal(pm.grad, pr.grad, "adapter gradient")
+    assert ext.weights.stats()["resident_now"] == (0, 1)
+
+
 def test_install_defaults_do_nothing_on_cpu_and_blocks_path():
     _, model = make()
     s = fake_session()

@@ -401,8 +401,8 @@ def _plan_share(
         )
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
-    trained = sum(b.trainable_bytes for b in c.blocks)
-    full = mostly_trained(trained, sum(b.trainable_bytes + b.frozen_bytes for b in c.blocks))
+    trained = sum(b.trainable_bytes for b in c.blocks)  # of all bytes, buffers too (a quantized base's)
+    full = mostly_trained(trained, sum(b.trainable_bytes + b.frozen_bytes + b.buffer_bytes for b in c.blocks))
     if full and opts.param_offload == "auto":
         # the sharded optimizer updates trained weights on the device: a plan that streams them cannot run
         cfg["param_offload"] = False

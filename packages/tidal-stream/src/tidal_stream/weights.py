@@ -462,9 +462,10 @@ def install(session: Any, model: nn.Module, options: Any) -> WeightsExtension | 
     if streamed:
         # LoRA-like: adapters stay resident, the frozen base streams; full fine-tuning: trained weights
         # stream too, updated in their host copies (see the module docstring)
-        params = [p for i in streamed for p in blocks[i].parameters()]
-        trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        stream_trainable = mostly_trained(trainable, sum(p.numel() * p.element_size() for p in params))
+        # buffers count: a quantized base is held in buffers (tidal_quant.QuantLinear)
+        tensors = [t for i in streamed for t in (*blocks[i].parameters(), *blocks[i].buffers())]
+        trainable = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+        stream_trainable = mostly_trained(trainable, sum(t.numel() * t.element_size() for t in tensors))
         if stream_trainable and not getattr(
             getattr(session, "optimizer", None), "host_weight_updates", False
         ):

@@ -461,6 +461,9 @@ class Timing:
 
     times: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
+    peak_reserved: list[int] = dataclasses.field(default_factory=list)
+    """CUDA: the allocator's peak of reserved bytes so far, read at the end of each step (never reset: an
+    engine may read the peaks itself), so the step that raised the run's peak shows."""
 
     def median(self, warmup: int) -> float | None:
         """Median step time after ``warmup`` steps (None before any timed step)."""
@@ -498,5 +501,7 @@ def run_steps(
             raise FloatingPointError(f"step {i}: loss is {loss}")
         timing.times.append(dt)
         timing.losses.append(loss)
+        if device.type == "cuda":
+            timing.peak_reserved.append(torch.cuda.max_memory_reserved(device))
         progress({"event": "step", "step": i, "warmup": i < warmup, "step_s": dt, "loss": loss})
     return timing

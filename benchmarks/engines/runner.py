@@ -129,6 +129,7 @@ def run_engine(
         rec["peak_alloc_gib"] = (torch.cuda.max_memory_allocated(dev) - own) / GiB
         rec["peak_reserved_gib"] = (torch.cuda.max_memory_reserved(dev) - own) / GiB
         rec["peak_vram_gib"] = (peak.stop() / GiB) if peak is not None else None
+        rec["peak_reserved_after_step_gib"] = [(b - own) / GiB for b in timing.peak_reserved]
     else:
         rec["peak_alloc_gib"] = rec["peak_reserved_gib"] = rec["peak_vram_gib"] = None
     rec["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB

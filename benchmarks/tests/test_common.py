@@ -123,6 +123,7 @@ def test_run_steps_times_every_step_and_rejects_nan() -> None:
         timing=Timing(),
     )
     assert t.losses == [3.0, 2.0, 1.5, 1.0] and len(t.times) == 4
+    assert t.peak_reserved == []  # CUDA only
     assert [e["warmup"] for e in events] == [True, False, False, False]
     assert t.median(1) == sorted(t.times[1:])[1]
     with pytest.raises(FloatingPointError, match="step 0: loss is nan"):
@@ -134,6 +135,23 @@ def test_run_steps_times_every_step_and_rejects_nan() -> None:
             progress=lambda e: None,
             timing=Timing(),
         )
+
+
+@pytest.mark.gpu
+def test_run_steps_reads_the_reserved_peak_after_every_step() -> None:
+    """The peak so far after each step: the step holding the most lifts it, the later ones keep it."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    sizes = iter([64, 512, 128])  # MiB held during each step
+
+    def step() -> float:
+        x = torch.ones(next(sizes) * MiB, dtype=torch.uint8, device=dev)
+        return float(x[0])
+
+    t = run_steps(step, warmup=0, steps=3, device=dev, progress=lambda e: None, timing=Timing())
+    first, second, third = t.peak_reserved
+    assert first >= 64 * MiB and second >= first + 448 * MiB and third == second
 
 
 @pytest.mark.gpu

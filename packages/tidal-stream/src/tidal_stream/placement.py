@@ -320,8 +320,8 @@ def refine_after_first_step(
         "placement",
         f"measured first step: peak {peak_alloc / 2**30:.2f} GiB allocated, {used / 2**30:.2f} GiB reserved"
         + _room_text(budget, room, headroom)
-        + f"; moved the optimizer of {moved} tensors ({total / 2**30:.2f} GiB with gradients and workspace) "
-        "to the device"
+        + f"; moved the optimizer of {moved} tensors to the device ({total / 2**30:.2f} GiB with gradients, "
+        "workspace and the weights of blocks that stop streaming)"
         + (
             f"; blocks {block_ranges(unstreamed)} STOP STREAMING (their weights stay on the device)"
             if unstreamed

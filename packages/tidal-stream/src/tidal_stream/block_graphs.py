@@ -316,6 +316,7 @@ class BlockGraphs:
         self.replays = 0
         self.eager_calls = 0
         self._growth = 0  # reserved bytes the last capture added (what the next one is expected to need)
+        self._grown = 0  # reserved bytes all captures added (the pool, and what their warm-ups cached)
         self.budget = session.options.vram_budget_bytes
         self.foreign = foreign  # device bytes allocated that are not this model's (a filler, other models)
         for g in self.graphs.values():
@@ -352,6 +353,7 @@ class BlockGraphs:
             self._give_up(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
         else:
             self._growth = torch.cuda.memory_reserved(dev) - before
+            self._grown += self._growth
         self._finish_if_done(signature)
         return g.failed is None
 
@@ -382,7 +384,9 @@ class BlockGraphs:
         """After the last capture: hand back what the warm-ups cached on the side stream, record the outcome."""
         if not all(g.fwd is not None or g.failed is not None for g in self.graphs.values()):
             return
+        before = torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
+        held = self._grown - (before - torch.cuda.memory_reserved(self.device))  # what the graphs keep
         captured = [i for i, g in self.graphs.items() if g.fwd is not None]
         failed: dict[str, list[int]] = {}
         for i, g in self.graphs.items():
@@ -392,10 +396,12 @@ class BlockGraphs:
         self.session.record(
             "graphs",
             f"captured CUDA graphs of blocks {block_ranges(captured) or 'none'} at input shape {shape}: each "
-            "forward and backward of them is one replay from now on"
+            f"forward and backward of them is one replay from now on; the captures keep {held / 2**30:.2f} GiB "
+            "reserved"
             + "".join(f"; blocks {block_ranges(ix)} stay eager ({why})" for why, ix in failed.items()),
             captured=captured,
             failed={why: ix for why, ix in failed.items()},
+            reserved_bytes=held,
         )
 
     def release(self, g: _BlockGraph, signature: tuple[Any, ...]) -> None:

@@ -384,9 +384,10 @@ class BlockGraphs:
         """After the last capture: hand back what the warm-ups cached on the side stream, record the outcome."""
         if not all(g.fwd is not None or g.failed is not None for g in self.graphs.values()):
             return
-        before = torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
-        held = self._grown - (before - torch.cuda.memory_reserved(self.device))  # what the graphs keep
+        reserved = (
+            torch.cuda.memory_reserved(self.device) - self.foreign
+        )  # this model's, the graphs' pool in it
         captured = [i for i, g in self.graphs.items() if g.fwd is not None]
         failed: dict[str, list[int]] = {}
         for i, g in self.graphs.items():
@@ -396,12 +397,14 @@ class BlockGraphs:
         self.session.record(
             "graphs",
             f"captured CUDA graphs of blocks {block_ranges(captured) or 'none'} at input shape {shape}: each "
-            f"forward and backward of them is one replay from now on; the captures keep {held / 2**30:.2f} GiB "
-            "reserved"
+            f"forward and backward of them is one replay from now on; the captures added {self._grown / 2**30:.2f} "
+            f"GiB of reserved memory (warm-ups' cache included), {reserved / 2**30:.2f} GiB reserved in all after "
+            "handing back the cache"
             + "".join(f"; blocks {block_ranges(ix)} stay eager ({why})" for why, ix in failed.items()),
             captured=captured,
             failed={why: ix for why, ix in failed.items()},
-            reserved_bytes=held,
+            capture_growth_bytes=self._grown,
+            reserved_bytes=reserved,
         )
 
     def release(self, g: _BlockGraph, signature: tuple[Any, ...]) -> None:

@@ -469,13 +469,13 @@ def _frozen(c: ModelCensus) -> list[bool]:
 
 
 def _streamed_weights_s(
-    ctx: Context, gpu: GpuTime, sb: dict[int, int], window: int, h2d_rate: float
+    ctx: Context, gpu: GpuTime, sb: dict[int, int], window: int, frozen: list[bool], h2d_rate: float
 ) -> float:
     """Seconds of a step as the streamed blocks' refills let the compute run (see stream_schedule)."""
     turn_s = gpu.total_s - sum(gpu.block_forward_s) - sum(gpu.block_backward_s)
     refill_s = [sb[i] / h2d_rate if i in sb else None for i in range(len(gpu.block_forward_s))]
     args = (gpu.block_forward_s, gpu.block_backward_s, turn_s, refill_s, ctx.depth, window)
-    return streamed_step_s(*args, _frozen(ctx.census))
+    return streamed_step_s(*args, frozen)
 
 
 def evaluate(ctx: Context, s: State) -> Evaluation:
@@ -551,7 +551,8 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     compute_s, recompute_s = gpu.total_s, gpu.recompute_s
 
     # each streamed block is refilled for its forward and its backward, but for those turn holds keep
-    tail, head = held_blocks(streamed, round(window / max_streamed) if streamed else 0, _frozen(c))
+    window_blocks, frozen = (round(window / max_streamed) if streamed else 0), _frozen(c)
+    tail, head = held_blocks(streamed, window_blocks, frozen)
     h2d = 2 * sum(sb.values()) - sum(sb[i] for i in tail + head) + offload_bytes
     h2d += sum(b.trainable_bytes for b in host_opt if s.resident[b.index])  # updated weights return
     h2d += 0 if s.outside_opt_gpu else c.outside_trainable_bytes
@@ -566,7 +567,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     # their refills allow, block by block (tidal_plan.stream_schedule). Offloaded activations cross in
     # fixed phases (see their function); all traffic together never hides in less than the link's time.
     pooled_s = _link_s(h2d - offload_bytes, d2h - offload_bytes, rates)
-    weights_s = _streamed_weights_s(ctx, gpu, sb, round(window / max_streamed), h2d_rate) if streamed else 0.0
+    weights_s = _streamed_weights_s(ctx, gpu, sb, window_blocks, frozen, h2d_rate) if streamed else 0.0
     offload_s = activation_offload_exposed_s(ctx, s, gpu, sum(sb.values()), host_grads, rates)
     exposed_transfer_s = max(
         transfer_s - compute_s, max(0.0, max(pooled_s, weights_s) - compute_s) + offload_s

@@ -113,12 +113,40 @@ def summarize(snapshot: dict[str, Any], top: int = 10, depth: int = 3) -> list[s
     return lines
 
 
+def reserved_by_pool(snapshot: dict[str, Any]) -> str:
+    """Where the reserved memory of a snapshot sits: the allocator's shared pool and CUDA graphs' private
+    pools, each with its live bytes and its largest free block (an allocation bigger than every free
+    block needs new device memory, even when the free bytes add up to more).
+
+    Returns:
+        One line: ``"reserved: <size> in the shared pool (<size> live, largest free block <size>); ..."``.
+    """
+    pools: dict[str, list[int]] = {}  # name -> [reserved, live, largest free]
+    for seg in snapshot.get("segments", []):
+        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
+        name = "the shared pool" if pool_id == (0, 0) else "CUDA graph pools"
+        acc = pools.setdefault(name, [0, 0, 0])
+        acc[0] += int(seg.get("total_size") or 0)
+        for blk in seg.get("blocks", []):
+            size = int(blk.get("size") or 0)
+            if blk.get("state") == "active_allocated":
+                acc[1] += size
+            elif blk.get("state") == "inactive":
+                acc[2] = max(acc[2], size)
+    parts = [
+        f"{_size(r)} in {name} ({_size(live)} live, largest free block {_size(free)})"
+        for name, (r, live, free) in sorted(pools.items(), key=lambda kv: -kv[1][0])
+    ]
+    return "reserved: " + ("; ".join(parts) if parts else "nothing")
+
+
 def oom_report(device: torch.device, top: int = 10) -> list[str]:
-    """:func:`summarize` of the live CUDA memory now (call it while the failed frames are still alive)."""
+    """:func:`summarize` of the live CUDA memory now, then :func:`reserved_by_pool` (call it while the
+    failed frames are still alive)."""
     if device.type != "cuda":
         return []
     try:
         snap = torch.cuda.memory._snapshot(device)
     except (AttributeError, RuntimeError, TypeError) as exc:
         return [f"no memory snapshot: {type(exc).__name__}: {exc}"]
-    return summarize(snap, top=top)
+    return [*summarize(snap, top=top), reserved_by_pool(snap)]

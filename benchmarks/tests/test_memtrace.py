@@ -56,6 +56,33 @@ def test_summary_of_an_empty_snapshot() -> None:
     assert memtrace.summarize({"segments": []}) == ["live at OOM: 0.0 MiB in 0 blocks, 0 allocation sites"]
 
 
+def test_reserved_memory_is_split_between_the_shared_pool_and_graph_pools() -> None:
+    snap = {
+        "segments": [
+            {
+                "segment_pool_id": (0, 0),
+                "total_size": 2 * GiB,
+                "blocks": [
+                    _block(GiB - 512, []),
+                    {"size": 600 * MiB, "state": "inactive"},
+                    {"size": 424 * MiB, "state": "inactive"},
+                ],
+            },
+            {"segment_pool_id": (1, 3), "total_size": 512 * MiB, "blocks": [_block(512 * MiB - 512, [])]},
+            {
+                "segment_pool_id": (1, 4),
+                "total_size": 512 * MiB,
+                "blocks": [{"size": 512 * MiB, "state": "inactive"}],
+            },
+        ]
+    }
+    assert memtrace.reserved_by_pool(snap) == (
+        "reserved: 2.00 GiB in the shared pool (1.00 GiB live, largest free block 600.0 MiB); "
+        "1.00 GiB in CUDA graph pools (512.0 MiB live, largest free block 512.0 MiB)"
+    )
+    assert memtrace.reserved_by_pool({"segments": []}) == "reserved: nothing"
+
+
 def test_history_is_on_by_default_and_switched_by_the_environment() -> None:
     assert memtrace.history_entries({}) == memtrace.DEFAULT_MAX_ENTRIES
     assert memtrace.history_entries({memtrace.ENV: "0"}) == 0

@@ -16,8 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from tidal_stream import memory_report, wrap
-from tidal_stream.block_graphs import BlockGraphs, _BlockGraph, _foreign_hooks, _signature, graphable_blocks
+from tidal_stream import graph_fit, memory_report, wrap
+from tidal_stream.block_graphs import (
+    BlockGraphs,
+    _BlockGraph,
+    _foreign_hooks,
+    _signature,
+    graphable_blocks,
+    graphs_reserve_bytes,
+)
 from tidal_stream.errors import OptionError
 from tidal_testing.numerics import assert_bitwise_equal
 
@@ -267,6 +274,10 @@ def test_recomputed_blocks_replay_their_recompute_bit_for_bit():
     rep = memory_report(graphed[2])
     assert rep["cuda_graphs"]["captured"] == [0, 1, 2], _graph_events(graphed[2])
     assert rep["activations"]["policies"] == ["recompute"] * 3
+    # the refinement left room for the graphs' four input-sized buffers per block; the capture step fit
+    placement = [e for e in rep["events"] if e["kind"] == "placement" and "measured" in e["message"]]
+    assert placement[-1]["data"]["graphs_reserve_bytes"] == 3 * 4 * (2 * 16 * 64 * 2)  # bf16 [2, 16, 64]
+    assert any("they fit" in m for m in _graph_events(graphed[2])), _graph_events(graphed[2])
     # eager: 5 steps x 3 blocks recomputed; graphed: step 1 eager (3), then the warm-up and replays
     assert (
         rep["activations"]["recomputed_forwards"]
@@ -300,6 +311,29 @@ def test_auto_releases_the_graphs_and_their_memory_at_a_new_sequence_length():
     # three blocks replayed in step 2 (the capture's own call) and in step 3
     assert rep["captured"] == [] and rep["replays"] == 6
     assert any("memory was handed back" in m for m in _graph_events(graphed[2])), _graph_events(graphed[2])
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphs_that_leave_too_little_room_go_after_the_capture_step(monkeypatch):
+    """The step that captured is measured as over the budget (less than half the headroom left): the graphs
+    go with their memory and the next steps run eagerly, with the numbers of the run without graphs."""
+    real = graph_fit.measured_room
+
+    def over(dev, foreign, budget):
+        peak, used, _, headroom = real(dev, foreign, budget)
+        return peak, used, -headroom, headroom
+
+    monkeypatch.setattr(graph_fit, "measured_room", over)
+    lengths = [16] * 5
+    eager = _run(False, lengths, recompute=True)
+    graphed = _run("auto", lengths, recompute=True)
+    _same(eager, graphed)
+    rep = memory_report(graphed[2])["cuda_graphs"]
+    events = _graph_events(graphed[2])
+    assert rep["released"].startswith("released: the step that captured them peaked"), events
+    assert rep["replays"] == 3  # the capture step's three blocks only
+    assert any("memory was handed back" in m for m in events), events
 
 
 class _HostSyncBlock(nn.Module):
@@ -434,3 +468,53 @@ def test_a_busy_block_called_with_another_shape_releases_after_its_backward():
     del node  # the backward ran (its graph is gone)
     blocks[0](torch.randn(2, 4))
     assert g0.fwd is None and bg.report()["cuda_graphs"]["eager_calls"] == 2
+
+
+def test_graphs_reserve_four_input_sized_buffers_per_resident_block():
+    inputs = [100, 200, 300, 400]
+    acts = types.SimpleNamespace(policies=["keep"] * 4, stats=lambda: {"block_input_bytes": inputs})
+    ext = types.SimpleNamespace(
+        blocks=[None] * 4, weights=types.SimpleNamespace(streamed=[1]), activations=acts
+    )
+    opts = types.SimpleNamespace(cuda_graphs="auto")
+    session = types.SimpleNamespace(extensions=[ext], options=opts, device=torch.device("cuda", 0))
+    assert graphs_reserve_bytes(session) == 4 * (100 + 300 + 400)  # block 1 streams: never graphed
+    opts.cuda_graphs = False
+    assert graphs_reserve_bytes(session) == 0
+    opts.cuda_graphs, session.device = "auto", torch.device("cpu")
+    assert graphs_reserve_bytes(session) == 0
+    session.device, ext.activations = torch.device("cuda", 0), None
+    assert graphs_reserve_bytes(session) == 0  # no input measured
+
+
+def _capture_check(monkeypatch, room, captured=True):
+    """``check_capture_step`` over pretended graphs with ``measured_room`` giving ``room`` (headroom 100)."""
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    session, events = _cpu_session("auto")
+    session.extensions = []
+    bg = _pretend_captured(session, blocks, torch.randn(2, 4))
+    session.extensions.append(bg)
+    if not captured:
+        bg.graphs[1].fwd = None
+    monkeypatch.setattr(graph_fit, "measured_room", lambda dev, foreign, budget: (900, 1000, room, 100))
+    opt = types.SimpleNamespace(_after_first_update=None)
+    graph_fit.check_capture_step(session, opt, bg)
+    return bg, blocks, events, opt
+
+
+def test_a_capture_step_with_half_the_headroom_left_keeps_the_graphs(monkeypatch):
+    bg, _, events, _ = _capture_check(monkeypatch, room=-50)
+    assert bg.released is None and all(g.fwd is not None for g in bg.graphs.values())
+    assert len(events) == 1 and "they fit" in events[0], events
+
+
+def test_a_capture_step_with_less_than_half_the_headroom_left_releases_the_graphs(monkeypatch):
+    bg, blocks, events, _ = _capture_check(monkeypatch, room=-51)
+    assert bg.released.startswith("released: the step that captured them peaked"), bg.released
+    assert bg.graphs == {} and all("forward" not in b.__dict__ for b in blocks)  # original forwards back
+    assert any("every block runs eagerly" in m for m in events), events
+
+
+def test_the_capture_check_waits_for_every_block_to_be_captured(monkeypatch):
+    bg, _, events, opt = _capture_check(monkeypatch, room=-1000, captured=False)
+    assert bg.released is None and not events and opt._after_first_update is not None  # re-armed

@@ -19,7 +19,9 @@ saves only the inputs and its backward graph recomputes. Every later eligible ca
 the static ones and replays. The outputs are copies, so nothing a caller holds is overwritten by the next
 replay.
 
-On by default (``wrap(..., cuda_graphs="auto")``; False turns it off). The capture records the
+On by default (``wrap(..., cuda_graphs="auto")``; False turns it off). Installed after the measured
+refinement, which leaves room for the graphs' buffers, and released when the step that captured them
+left too little memory under the budget (:mod:`tidal_stream.graph_fit`). The capture records the
 parameters' gradients through stand-in leaves (:meth:`_BlockGraph._fresh_leaves`): through the parameters
 themselves, the backward capture failed whenever the training loop still held the previous step's loss
 (see [Note: fresh leaves]). A capture that fails for another reason leaves the session eager (see
@@ -49,10 +51,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from tidal_stream.kept_activations import block_ranges
-from tidal_stream.placement import foreign_device_bytes
 from tidal_stream.streamed_blocks import StreamingError
 
-__all__ = ["BlockGraphs", "graphable_blocks", "with_block_graphs"]
+__all__ = ["BlockGraphs", "graphable_blocks", "graphs_reserve_bytes"]
 
 _WARMUP = 2  # eager passes before capture: lazy initialisations (cuBLAS handles, kernel choices) happen there
 _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -456,6 +457,15 @@ class BlockGraphs:
             }
         }
 
+    def close(self, why: str) -> None:
+        """Every block runs eagerly for good: the graphs go with their memory (a replay that still awaits
+        its backward keeps its own until then), the original forwards come back."""
+        self.released = why
+        for g in self.graphs.values():
+            g.failed = g.failed or why
+            self.drop(g)
+        self.remove()
+
     def remove(self) -> None:
         """Restore the original forwards and drop the graphs (their memory pool goes with them)."""
         for g in self.graphs.values():
@@ -472,6 +482,23 @@ def _draws_random(block: nn.Module) -> bool:
         if isinstance(p, (int, float)) and p > 0:
             return True
     return False
+
+
+def graphs_reserve_bytes(session: Any) -> int:
+    """Device bytes the CUDA graphs of the resident blocks will add to a step, to leave out of the measured
+    refinement's room: each captured block keeps four buffers the size of its input in the graphs' pool
+    (static input and output, output gradient, input gradient; see [Note: graphs' memory] in
+    :mod:`tidal_stream.graph_fit`). Counted for every block that does not stream its weights, by its
+    input measured in the first step; 0 when no graph will be installed (``cuda_graphs=False``, not
+    CUDA) or no input was measured (no block offloads or recomputes)."""
+    if session.options.cuda_graphs is False or session.device.type != "cuda":
+        return 0
+    ext = next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
+    if ext is None or ext.activations is None:
+        return 0
+    streamed = set(ext.weights.streamed) if ext.weights is not None else set()
+    inputs = ext.activations.stats()["block_input_bytes"]
+    return sum(4 * n for i, n in enumerate(inputs) if i not in streamed)
 
 
 def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict[str, list[int]]]:
@@ -508,34 +535,3 @@ def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict
             continue
         others.setdefault(reason, []).append(i)
     return chosen, others
-
-
-def _install(session: Any, opt: Any) -> None:
-    chosen, others = graphable_blocks(session, opt)
-    not_graphed = "; ".join(f"blocks {block_ranges(ix)} stay eager: {why}" for why, ix in others.items())
-    if not chosen:
-        session.record("graphs", "no block is graphed" + (f" ({not_graphed})" if not_graphed else ""))
-        return
-    foreign = foreign_device_bytes(opt, session.model, session.device)
-    session.extensions.append(BlockGraphs(session, chosen, foreign))
-    session.record(
-        "graphs",
-        f"blocks {block_ranges(sorted(chosen))} run as CUDA graphs of their forward and backward from the "
-        "next step (captured at its first call, replayed while the inputs keep their shapes)"
-        + (f"; {not_graphed}" if not_graphed else ""),
-        blocks=sorted(chosen),
-    )
-
-
-def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
-    """The optimizer's after-first-step callback: ``then`` (the measured refinement, if any), then CUDA
-    graphs on the blocks that qualify (``cuda_graphs`` option; CUDA only)."""
-    if session.options.cuda_graphs is False or session.device.type != "cuda":
-        return then
-
-    def after() -> None:
-        if then is not None:
-            then()
-        _install(session, opt)
-
-    return after

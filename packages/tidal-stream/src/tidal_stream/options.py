@@ -158,7 +158,9 @@ class WrapOptions:
     """Replay CUDA graphs of the blocks that stay on the device and keep or recompute their activations,
     from the second step (``tidal_stream.block_graphs``): ``"auto"`` (default: on CUDA devices, single GPU;
     released at the first change of input shape), True (a CUDA device needed; kept for the first shape) or
-    False (for blocks whose forward depends on more than its arguments)."""
+    False (for blocks whose forward depends on more than its arguments). Either way they are released when
+    the step that captured them left less than half the headroom under the budget
+    (``tidal_stream.graph_fit``)."""
     distributed: bool | Literal["auto"] | DistributedConfig = "auto"
     """Data parallel (``tidal_stream.distributed``): ``"auto"`` when an initialized process group has more
     than one rank, True (needs one), False (never), or a ``DistributedConfig``; default ``"auto"``."""

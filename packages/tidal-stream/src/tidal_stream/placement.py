@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_stream.block_graphs import graphs_reserve_bytes
 from tidal_stream.device_share import (
     device_share,
     device_state_bytes,
@@ -292,6 +293,8 @@ def refine_after_first_step(
     A moved parameter costs its moments, fp32 master and its gradient (kept on the device until
     ``step()``), a block that stops streaming its whole weights (as if the stream window stayed), and
     the device update's widening workspace grows with the largest moved tensor (:func:`device_share`).
+    Activations are kept in what is left after the buffers of the CUDA graphs that follow this
+    refinement (:func:`~tidal_stream.block_graphs.graphs_reserve_bytes`).
 
     Args:
         session: the wrapping session.
@@ -312,8 +315,10 @@ def refine_after_first_step(
     )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
+    # CUDA graphs installed after this refinement hold buffers of their own (see graph_fit)
+    graphs = graphs_reserve_bytes(session)
     # a given plan's activation choices stand, as its streamed blocks do
-    kept, kept_bytes = ([], 0) if keep_streamed else keep_activations(session, room - total)
+    kept, kept_bytes = ([], 0) if keep_streamed else keep_activations(session, room - total - graphs)
     host_left = sum(s.param.numel() for s in opt.host_slots())
     streamed_left = [] if _streaming_of(session) is None else _streaming_of(session).weights.streamed
     session.record(
@@ -336,6 +341,7 @@ def refine_after_first_step(
         + f"; {host_left / 1e6:.1f} M parameters stay on the host"
         + ("" if host_left else " (plain fused AdamW on the device from now on)")
         + kept_text(kept, kept_bytes)
+        + (f"; {graphs / 2**30:.2f} GiB left for the CUDA graphs' buffers" if graphs else "")
         + prediction_text(predicted := predicted_step(session, streamed_left, _host_blocks(session, opt))),
         peak=peak_alloc,
         peak_reserved=used,
@@ -348,6 +354,7 @@ def refine_after_first_step(
         host_params=host_left,
         activations_kept=kept,
         activations_kept_bytes=kept_bytes,
+        graphs_reserve_bytes=graphs,
     )
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal_stream.block_graphs import with_block_graphs
 from tidal_stream.distributed import resolve_distributed, wrap_distributed
 from tidal_stream.errors import NotWrappedError, option_error
+from tidal_stream.graph_fit import with_block_graphs
 from tidal_stream.oom import install_forward_note
 from tidal_stream.optimizer import OffloadAdamW
 from tidal_stream.options import WrapOptions

@@ -1,0 +1,98 @@
+"""CUDA graphs after the measured refinement: installed on the blocks that qualify, then the step that
+captured them is measured against the budget, and they go if it left too little room.
+
+[Note: graphs' memory] A captured block's saved activations, its static input and output and its
+gradient buffers live in the graphs' private memory pool. The eager allocator cannot use that pool's
+free blocks, and the pool's memory is not handed back while a graph of it lives. So a graphed step holds
+more than the eager step that the refinement measured and sized. On the GPU machine, a LoRA step of a
+14B model on an NF4 base at 2,048 tokens under a 24 GiB budget peaked at 23.63 GiB in the step that
+captured (the refinement had sized 20.8 GiB), and the next step ran out of memory. Two measures:
+
+- the refinement keeps activations only in the room left after the graphs' buffers
+  (:func:`~tidal_stream.block_graphs.graphs_reserve_bytes`);
+- the step that captured is measured like the first step (its peak of reserved bytes,
+  :func:`~tidal_stream.placement.measured_room`); when it left less than half the refinement's headroom
+  under the budget, the graphs go with their pool and every block runs eagerly from the next step,
+  the step the refinement sized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tidal_stream.block_graphs import BlockGraphs, graphable_blocks
+from tidal_stream.kept_activations import block_ranges
+from tidal_stream.placement import foreign_device_bytes, measured_room
+
+__all__ = ["check_capture_step", "install_block_graphs", "with_block_graphs"]
+
+
+def install_block_graphs(session: Any, opt: Any) -> BlockGraphs | None:
+    """CUDA graphs on the blocks that qualify (:func:`~tidal_stream.block_graphs.graphable_blocks`), logged
+    with why the others stay eager; None when no block qualifies."""
+    chosen, others = graphable_blocks(session, opt)
+    not_graphed = "; ".join(f"blocks {block_ranges(ix)} stay eager: {why}" for why, ix in others.items())
+    if not chosen:
+        session.record("graphs", "no block is graphed" + (f" ({not_graphed})" if not_graphed else ""))
+        return None
+    graphs = BlockGraphs(session, chosen, foreign_device_bytes(opt, session.model, session.device))
+    session.extensions.append(graphs)
+    session.record(
+        "graphs",
+        f"blocks {block_ranges(sorted(chosen))} run as CUDA graphs of their forward and backward from the "
+        "next step (captured at its first call, replayed while the inputs keep their shapes)"
+        + (f"; {not_graphed}" if not_graphed else ""),
+        blocks=sorted(chosen),
+    )
+    return graphs
+
+
+def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs) -> None:
+    """After an optimizer step: once ``graphs`` captured, measure that step (see [Note: graphs' memory]);
+    before, check again after the next step (re-armed as the optimizer's after-update callback)."""
+    if graphs not in session.extensions or graphs.released is not None:
+        return  # unwrapped, or released already (a new input shape)
+    states = [g.fwd is not None or g.failed is not None for g in graphs.graphs.values()]
+    if not all(states):  # some block was not called by a training forward since the graphs came
+        opt._after_first_update = lambda: check_capture_step(session, opt, graphs)
+        return
+    if not any(g.fwd is not None for g in graphs.graphs.values()):
+        return  # nothing was captured: nothing holds memory
+    _, used, room, headroom = measured_room(session.device, graphs.foreign, graphs.budget)
+    limit = f"{graphs.budget / 2**30:.2f} GiB budget" if graphs.budget is not None else "device"
+    if room >= -headroom // 2:
+        session.record(
+            "graphs",
+            f"the step that captured the CUDA graphs peaked at {used / 2**30:.2f} GiB reserved of the {limit}: "
+            f"they fit (at least {headroom / 2 / 2**30:.2f} GiB, half the headroom, left)",
+            peak_reserved=used,
+        )
+        return
+    graphs.close(
+        f"released: the step that captured them peaked at {used / 2**30:.2f} GiB reserved, less than "
+        f"{headroom / 2 / 2**30:.2f} GiB (half the headroom) under the {limit}"
+    )
+    session.record(
+        "graphs",
+        f"CUDA graphs {graphs.released}: every block runs eagerly from the next step, as the measured "
+        "refinement sized it (wrap(..., cuda_graphs=False) skips the capture)",
+        peak_reserved=used,
+    )
+
+
+def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """The optimizer's after-first-step callback: ``then`` (the measured refinement, if any), then CUDA
+    graphs on the blocks that qualify (``cuda_graphs`` option; CUDA only), and after the step that
+    captures them, :func:`check_capture_step` (when the refinement measured: its peaks start at wrap)."""
+    if session.options.cuda_graphs is False or session.device.type != "cuda":
+        return then
+
+    def after() -> None:
+        if then is not None:
+            then()
+        graphs = install_block_graphs(session, opt)
+        if graphs is not None and then is not None:
+            opt._after_first_update = lambda: check_capture_step(session, opt, graphs)
+
+    return after

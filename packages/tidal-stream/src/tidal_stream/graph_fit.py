@@ -48,24 +48,39 @@ def install_block_graphs(session: Any, opt: Any) -> BlockGraphs | None:
     return graphs
 
 
-def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs) -> None:
+def _over(session: Any, graphs: BlockGraphs) -> tuple[bool, int, int]:
+    """``(over, used, headroom)``: the peak of reserved bytes since the statistics' last reset left less
+    than half the headroom under the budget (or the device's usable memory)."""
+    _, used, room, headroom = measured_room(session.device, graphs.foreign, graphs.budget)
+    return room < -headroom // 2, used, headroom
+
+
+def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs, was_over: bool = False) -> None:
     """After an optimizer step: once ``graphs`` captured, measure that step (see [Note: graphs' memory]);
-    before, check again after the next step (re-armed as the optimizer's after-update callback)."""
+    before, check again after the next step (re-armed as the optimizer's after-update callback).
+
+    The peak is the allocator's since its last reset (``wrap()`` resets it when a refinement follows the
+    first step; tidal never resets it later: callers' own readings stay valid). ``was_over``: that peak
+    was over already when the graphs came, so a peak over now says nothing of theirs: they stay."""
     if graphs not in session.extensions or graphs.released is not None:
         return  # unwrapped, or released already (a new input shape)
     states = [g.fwd is not None or g.failed is not None for g in graphs.graphs.values()]
     if not all(states):  # some block was not called by a training forward since the graphs came
-        opt._after_first_update = lambda: check_capture_step(session, opt, graphs)
+        opt._after_first_update = lambda: check_capture_step(session, opt, graphs, was_over)
         return
     if not any(g.fwd is not None for g in graphs.graphs.values()):
         return  # nothing was captured: nothing holds memory
-    _, used, room, headroom = measured_room(session.device, graphs.foreign, graphs.budget)
+    over, used, headroom = _over(session, graphs)
     limit = f"{graphs.budget / 2**30:.2f} GiB budget" if graphs.budget is not None else "device"
-    if room >= -headroom // 2:
+    if not over or was_over:
         session.record(
             "graphs",
             f"the step that captured the CUDA graphs peaked at {used / 2**30:.2f} GiB reserved of the {limit}: "
-            f"they fit (at least {headroom / 2 / 2**30:.2f} GiB, half the headroom, left)",
+            + (
+                "the peak was that high before the graphs came; they stay"
+                if over
+                else f"they fit (at least {headroom / 2 / 2**30:.2f} GiB, half the headroom, left)"
+            ),
             peak_reserved=used,
         )
         return
@@ -84,7 +99,7 @@ def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs) -> None:
 def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
     """The optimizer's after-first-step callback: ``then`` (the measured refinement, if any), then CUDA
     graphs on the blocks that qualify (``cuda_graphs`` option; CUDA only), and after the step that
-    captures them, :func:`check_capture_step` (when the refinement measured: its peaks start at wrap)."""
+    captures them, :func:`check_capture_step`."""
     if session.options.cuda_graphs is False or session.device.type != "cuda":
         return then
 
@@ -92,7 +107,8 @@ def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -
         if then is not None:
             then()
         graphs = install_block_graphs(session, opt)
-        if graphs is not None and then is not None:
-            opt._after_first_update = lambda: check_capture_step(session, opt, graphs)
+        if graphs is not None:
+            was_over = _over(session, graphs)[0]  # the peak before any capture
+            opt._after_first_update = lambda: check_capture_step(session, opt, graphs, was_over)
 
     return after

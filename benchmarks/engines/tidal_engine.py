@@ -14,6 +14,7 @@ Any missing name shows as an ``error`` row with the import message (the table ne
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from collections.abc import Callable
 
@@ -169,14 +170,19 @@ _WRAPPED: list[nn.Module] = []  # the model of this engine process's run, for no
 
 
 def notes() -> list[str]:
-    """The wrapped run's plan, its measured refinement and its CUDA graphs, as tidal's decision log has them."""
-    from tidal_stream import memory_report
+    """The wrapped run's plan, its measured refinement and its CUDA graphs, as tidal's decision log has them,
+    then the hardware profile the plan was made with (its rates reproduce the plan on another machine)."""
+    from tidal_stream import memory_report, session_of
 
     if not _WRAPPED:
         return []
     events = memory_report(_WRAPPED[0])["events"]
-    return [
+    out = [
         e["message"]
         for e in events
         if e["kind"] in ("plan", "graphs") or e["message"].startswith("measured first step")
     ]
+    profile = session_of(_WRAPPED[0]).profile
+    if profile is not None:
+        out.append(f"profile: {dataclasses.asdict(profile)}")
+    return out

@@ -334,7 +334,8 @@ class _Session:
         self.extensions = extensions
         self.events: list[tuple[str, str, dict]] = []
         self.plan = None
-        self.options = WrapOptions()  # cuda_graphs="auto", as wrap() leaves it
+        # no CUDA graphs: the refinement reserves nothing for them and predicts the eager step
+        self.options = WrapOptions(cuda_graphs=False)
 
     def record(self, kind: str, message: str, **data) -> None:
         self.events.append((kind, message, data))
@@ -757,8 +758,7 @@ def test_refinement_reports_the_cost_model_at_the_measured_tokens(monkeypatch, d
         assert f"the cost model predicts {data['predicted_step_s'] * 1e3:.0f} ms per step" in msg
         assert f"at the measured {tokens} tokens" in msg
         steps.append(data["predicted_step_s"])
-    # equal up to the order of a float sum (the blocks come from sets: 46.03274357905021 and ...0205 seen)
-    assert 0 < steps[0] < steps[1] if data_parallel else 0 < steps[0] == pytest.approx(steps[1], rel=1e-12)
+    assert 0 < steps[0] < steps[1] if data_parallel else 0 < steps[0] == steps[1]
     # without the plan's options (a plan given as plan=) there is nothing to predict with
     session, opt, foreign, *_ = _predicting_session(monkeypatch, 50.0)
     session.plan_config = None

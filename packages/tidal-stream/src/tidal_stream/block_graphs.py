@@ -484,6 +484,11 @@ def _draws_random(block: nn.Module) -> bool:
     return False
 
 
+def _stack_extension(session: Any) -> Any:
+    """The extension over the block stack (weight streaming, activations, attention), or None."""
+    return next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
+
+
 def graphs_reserve_bytes(session: Any) -> int:
     """Device bytes the CUDA graphs of the resident blocks will add to a step, to leave out of the measured
     refinement's room: each captured block keeps four buffers the size of its input in the graphs' pool
@@ -493,7 +498,7 @@ def graphs_reserve_bytes(session: Any) -> int:
     CUDA) or no input was measured (no block offloads or recomputes)."""
     if session.options.cuda_graphs is False or session.device.type != "cuda":
         return 0
-    ext = next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
+    ext = _stack_extension(session)
     if ext is None or ext.activations is None:
         return 0
     streamed = set(ext.weights.streamed) if ext.weights is not None else set()
@@ -503,7 +508,7 @@ def graphs_reserve_bytes(session: Any) -> int:
 
 def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict[str, list[int]]]:
     """The blocks to graph now (see the module docstring), and the others by the reason they are not."""
-    ext = next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
+    ext = _stack_extension(session)
     if ext is not None:
         blocks = ext.blocks
         streamed = set(ext.weights.streamed) if ext.weights is not None else set()

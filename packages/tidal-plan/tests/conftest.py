@@ -150,14 +150,23 @@ def build_meta_lm():
 
 
 def assert_overlap_order(p) -> None:
-    """Host-updated blocks are the last trained blocks and streamed blocks the last blocks (see the
-    planner's [Note: overlap order]): the order tidal_stream.wrap() imposes, so it leaves such a plan as
-    it is."""
-    trained = [b.index for b in p.blocks if b.optimizer != "none"]
-    host = [b.index for b in p.blocks if b.optimizer == "host"]
-    assert host == trained[len(trained) - len(host) :], p.explain()
+    """Host-updated blocks are the last trained blocks, leaving out streamed ones of a LoRA plan, and
+    streamed blocks the last blocks, or in a LoRA plan (nothing trained streams) the last blocks or spread
+    through the stack (see the planner's [Note: overlap order] and ``search._spread_streamed_blocks``)."""
+    from tidal_plan.stream_schedule import spread_streamed
+
+    n = len(p.blocks)
     streamed = list(p.streamed_blocks)
-    assert streamed == list(range(len(p.blocks) - len(streamed), len(p.blocks))), p.explain()
+    last = list(range(n - len(streamed), n))
+    spread = p.training == "lora" and streamed != last
+    if spread:
+        assert streamed == spread_streamed(range(n), len(streamed), n), p.explain()
+    else:
+        assert streamed == last, p.explain()
+    skip = set(streamed) if spread else set()
+    trained = [b.index for b in p.blocks if b.optimizer != "none" and b.index not in skip]
+    host = [b.index for b in p.blocks if b.optimizer == "host" and b.index not in skip]
+    assert host == trained[len(trained) - len(host) :], p.explain()
 
 
 @pytest.fixture

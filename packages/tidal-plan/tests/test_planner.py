@@ -58,10 +58,11 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
     full_int8 = plan(qwen14b_lora_census, prof, PlanConfig(quantize="int8", bytes_per_weight=bpw))
     assert full_int8.vram_breakdown["loss"] == 12 * 4096 * 152064 and full_int8.streamed_blocks
     # quantize="auto" under prefer="speed" takes a smaller format only for a step at least 10 % shorter.
-    # At 4096 tokens exact storage streams 36 blocks: replayed block by block (tidal_plan.stream_schedule)
-    # their refills cannot start before the window frees and the link idles while the resident blocks
-    # run, so the step is longer than its link time; a smaller format keeps more blocks resident and
-    # gains more than 10 %: "auto" takes one, and says why.
+    # At 4096 tokens exact storage streams 32 blocks, spread between the resident ones: replayed block by
+    # block (tidal_plan.stream_schedule) their refills cannot start before the window frees, so the step is
+    # longer than its link time. With the full logits a smaller format keeps more blocks resident and gains
+    # more than 10 %: "auto" takes one, and says why; beside a chunked loss exact streams 26 spread blocks
+    # and no format gains 10 %: "auto" stays exact.
     for chunk in (None, 1024):
         exact = p if chunk is None else plan(qwen14b_lora_census, prof, PlanConfig(loss_chunk_tokens=chunk))
         # longer than the link's time and than the compute's: neither hides the other whole
@@ -84,9 +85,12 @@ def test_acceptance_qwen14b_lora_24gib(qwen14b_lora_census, bpw):
         )
         _show(f"Qwen2.5-14B LoRA, 24 GiB, quantize='auto', prefer='speed', loss chunk {chunk}", q)
         _check_invariants(q, 24 * GiB, 64 * 10**9)
-        assert faster and q.quantize in faster
-        assert q.prediction.step_s < 0.9 * exact.prediction.step_s
-        assert any(n.startswith("quantize='auto', prefer='speed'") for n in q.notes), q.notes
+        if chunk is None:
+            assert faster and q.quantize in faster
+            assert q.prediction.step_s < 0.9 * exact.prediction.step_s
+            assert any(n.startswith("quantize='auto', prefer='speed'") for n in q.notes), q.notes
+        else:
+            assert not faster and q.quantize is None
 
     m = plan(qwen14b_lora_census, prof, PlanConfig(quantize="auto", bytes_per_weight=bpw, prefer="memory"))
     assert m.quantize is None  # exact fits: "auto" quantizes only when it must

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tidal_plan.stream_schedule import spread_streamed
 from tidal_stream import session_of, unwrap, wrap
 from tidal_stream.options import WrapOptions
 from tidal_stream.placement import (
@@ -288,6 +289,7 @@ class _Streaming:
         self._block_of, self._nbytes = block_of, nbytes
         self.weights = self
         self.streamed = sorted(set(block_of.values()))
+        self.blocks = [None] * 48  # the stack: the lora14b_* sessions' 48 blocks
 
     def block_nbytes(self, i: int) -> int:
         return self._nbytes
@@ -658,24 +660,44 @@ def _lora14b_streaming_frozen(monkeypatch) -> tuple:
     return session, opt, foreign, streaming, acts
 
 
-def test_frozen_streamed_blocks_stop_streaming_earliest_first_while_they_fit():
+def test_frozen_streamed_blocks_stop_streaming_so_the_rest_spread_while_they_fit():
     """LoRA exact: blocks 9-47 stream frozen bases of 530.5 MiB; a block whose streamed weight the host
-    optimizer updates (block 10) stays streaming. 3 GiB of room hold five blocks: 9, 11, 12, 13, 14."""
+    optimizer updates (block 10) stays streaming. 3 GiB of room hold five blocks; the 33 other movable
+    ones keep streaming, spread from block 9 to the end of the stack, so the five that stop are evenly
+    spaced gaps: 18, 25, 31, 38, 44."""
     trained = nn.Parameter(torch.empty(1, device="meta"))
     streaming = _frozen_streaming(extra={id(trained): 10})
     opt = _Opt([trained], {id(trained)}, [])
     updated = host_updated_blocks(opt, streaming)
     assert updated == {10} and host_updated_blocks(opt, None) == frozenset()
     blocks, nbytes = unstream_frozen_blocks(streaming, 3 * GiB, updated)
-    assert blocks == [9, 11, 12, 13, 14] and nbytes == 5 * int(530.5 * MiB)
-    assert streaming.streamed == [10, *range(15, 48)]
+    assert blocks == [18, 25, 31, 38, 44] and nbytes == 5 * int(530.5 * MiB)
+    assert streaming.streamed == [i for i in range(9, 48) if i not in blocks]
     assert unstream_frozen_blocks(streaming, 0, updated) == ([], 0)
     assert unstream_frozen_blocks(None, 3 * GiB) == ([], 0)
 
 
+def test_streamed_blocks_keep_away_from_blocks_that_offload_activations():
+    """Blocks 19-47 stream 268 MiB each (FP8 at 2,048 tokens) and 19-27 offload their activations: the
+    room stops 22 from streaming, and the 7 left spread over the blocks whose activations stay, where the
+    link is free; with more to keep than those blocks, the spread covers every streamed block again."""
+    streaming = _Streaming({i: i for i in range(19, 48)}, 268 * MiB)
+    busy = frozenset(range(19, 28))
+    blocks, _ = unstream_frozen_blocks(streaming, 22 * 268 * MiB, busy=busy)
+    assert len(blocks) == 22 and streaming.streamed == [29, 32, 35, 37, 40, 43, 46]
+    streaming = _Streaming({i: i for i in range(19, 48)}, 268 * MiB)
+    blocks, _ = unstream_frozen_blocks(streaming, 3 * 268 * MiB, busy=busy)
+    assert streaming.streamed == spread_streamed(range(19, 48), 26, 48)
+
+
+# blocks 9-47 streaming, room for 15: those that stop so the other 24 spread from block 9 to the end
+SPREAD_OUT = [10, 12, 15, 18, 20, 23, 25, 28, 31, 33, 36, 38, 41, 44, 46]
+
+
 def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(monkeypatch):
-    """The 7.93 GiB of room go to frozen blocks first (15 of 530.5 MiB), the rest to offloaded activations;
-    a given plan (keep_streamed) leaves its streamed blocks and activations alone."""
+    """The 7.93 GiB of room go to frozen blocks first (15 of 530.5 MiB, chosen so the 24 that keep streaming
+    spread from block 9 to the end), the rest to offloaded activations; a given plan (keep_streamed)
+    leaves its streamed blocks and activations alone."""
     for given in (False, True):
         session, opt, foreign, streaming, _acts = _lora14b_streaming_frozen(monkeypatch)
         budget = int(23.7 * GiB)
@@ -686,15 +708,16 @@ def test_refinement_stops_streaming_frozen_blocks_before_keeping_activations(mon
             continue
         room = budget - int(0.1 * budget) - int(13.4 * GiB)
         n = room // int(530.5 * MiB)
-        assert n == 15 and data["unstreamed"] == list(range(9, 9 + n))
-        assert streaming.streamed == list(range(9 + n, 48)) and "blocks 9-23 STOP STREAMING" in msg
+        assert n == 15 and data["unstreamed"] == SPREAD_OUT
+        assert streaming.streamed == [i for i in range(9, 48) if i not in SPREAD_OUT]
+        assert "blocks 10, 12, 15, 18, 20, 23, 25, 28, 31, 33, 36, 38, 41, 44, 46 STOP STREAMING" in msg
         left = room - n * int(530.5 * MiB)
         assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))
 
 
 def test_data_parallel_stops_streaming_frozen_blocks_before_keeping_activations(monkeypatch):
     """Under data parallel every streamed weight is frozen: the measured room (7.93 GiB) stops streaming 15
-    blocks of 530.5 MiB, earliest first, and the rest keeps the last offloaded blocks' activations; with a
+    blocks of 530.5 MiB (the rest spread from block 9 to the end), and the rest keeps the last offloaded blocks' activations; with a
     peer pool (unstream=False) every block keeps streaming and the room goes to activations alone."""
     for unstream in (True, False):
         session, _opt, foreign, streaming, _acts = _lora14b_streaming_frozen(monkeypatch)
@@ -705,8 +728,9 @@ def test_data_parallel_stops_streaming_frozen_blocks_before_keeping_activations(
             assert streaming.streamed == list(range(9, 48)) and data["unstreamed"] == []
             assert len(data["activations_kept"]) == 48 and "STOP STREAMING" not in msg
             continue
-        assert data["unstreamed"] == list(range(9, 24)) and streaming.streamed == list(range(24, 48))
-        assert "blocks 9-23 STOP STREAMING (7.77 GiB of frozen weights" in msg
+        assert data["unstreamed"] == SPREAD_OUT
+        assert streaming.streamed == [i for i in range(9, 48) if i not in SPREAD_OUT]
+        assert "10, 12, 15, 18, 20, 23, 25, 28, 31, 33, 36, 38, 41, 44, 46 STOP STREAMING (7.77 GiB" in msg
         left = room - 15 * int(530.5 * MiB)
         assert data["activations_kept"] == list(range(48 - left // (50 * MiB), 48))
 

@@ -52,7 +52,7 @@ def make(dtype: torch.dtype, device: str, seed: int = 0):
     return ref, model
 
 
-def run_steps(ref, model, sb, device, steps=5):
+def run_steps(ref, model, sb, device, steps=5, kept=()):
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_s = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dtype = next(ref.parameters()).dtype
@@ -70,7 +70,7 @@ def run_steps(ref, model, sb, device, steps=5):
                 assert ps.grad is None, name
                 continue
             assert_bitwise_equal(pr.grad, ps.grad, f"grad {name} step {step}")
-        assert sb.resident() == ()
+        assert sb.resident() == tuple(kept)
         opt_r.step()
         opt_r.zero_grad()
         with sb.gathered():
@@ -405,3 +405,27 @@ def test_gathered_blocks_have_plain_classes_so_torch_optimizers_take_their_forea
         assert type(scale) is torch.Tensor and w.detach().sum().isfinite()  # readable
     with pytest.raises(StreamingError, match=r"block 2 Linear\.weight"):
         w.sum()
+
+
+def test_prefetch_looks_past_blocks_kept_resident():
+    """Blocks 1 and 2 kept resident, 0, 3 and 4 streamed, one block fetched ahead: block 3 is fetched while
+    block 0 is still resident (its forward running), not when block 2 starts; in backward block 0 is
+    fetched while block 3 is (its backward running). Training stays bit-exact."""
+    ref, model = make(torch.float32, "cpu")
+    events = []
+    sb = StreamedBlocks(
+        model.layers, "cpu", prefetch_ahead=1, keep_resident=[1, 2], observer=lambda e: events.append(e)
+    )
+    run_steps(ref, model, sb, "cpu", steps=2, kept=(1, 2))  # losses and gradients bit-identical
+    fetched = [(e.block, e.phase, e.resident) for e in events if e.kind == "fetch" and e.phase != "gather"]
+    assert [(b, p) for b, p, _ in fetched] == 2 * [
+        (0, "forward"),  # a forward starts with a refill on demand
+        (3, "prefetch"),
+        (4, "prefetch"),
+        (4, "backward"),  # released after its forward (no turn holds): refilled on demand
+        (3, "prefetch"),
+        (0, "prefetch"),
+    ]
+    assert next(res for b, _, res in fetched if b == 3) == (0, 1, 2, 3)  # forward: block 0 still there
+    assert next(res for b, p, res in fetched if b == 0 and p == "prefetch") == (0, 1, 2, 3)  # backward
+    assert sb.stats()["demand_fetches"] == 2 * 2

@@ -8,6 +8,7 @@ from tidal_plan.hardware import UNLIMITED, HardwareProfile, profile_hardware
 from tidal_plan.plan_types import BlockPlan, OptimizerPlan, Plan, StepPrediction, compare_prediction
 from tidal_plan.planner import plan
 from tidal_plan.predict import predict
+from tidal_plan.stream_schedule import spread_streamed, streamed_ahead
 from tidal_plan.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -32,4 +33,6 @@ __all__ = [
     "plan",
     "predict",
     "profile_hardware",
+    "spread_streamed",
+    "streamed_ahead",
 ]

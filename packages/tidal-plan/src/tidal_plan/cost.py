@@ -11,7 +11,7 @@ from tidal_plan.gemm import KERNEL_OVERHEAD_S, block_matmuls_s, gemm_launches, m
 from tidal_plan.hardware import HardwareProfile
 from tidal_plan.param_bytes import adamw_bytes, host_slot_bytes, state_bytes_per_param
 from tidal_plan.plan_types import StepPrediction
-from tidal_plan.stream_schedule import held_blocks, streamed_step_s
+from tidal_plan.stream_schedule import frozen_blocks, held_blocks, streamed_step_s
 
 # Pageable (unpinned) host memory copies at about this share of the pinned rate (15.7 vs 55.4 GB/s on
 # the GPU machine); used only for bytes that the page-lock limit pushes out of pinned memory.
@@ -460,14 +460,6 @@ def activation_offload_exposed_s(
     return exposed(act) - exposed(0) + fill
 
 
-def _frozen(c: ModelCensus) -> list[bool]:
-    """Per block: it streams no trained weight (LoRA: the adapters stay resident, as ``wrap()`` keeps
-    them when they are at most half the block's bytes), so it may wait on the device for the next step."""
-    return [
-        b.trainable_bytes <= 0.5 * (b.trainable_bytes + b.frozen_bytes + b.buffer_bytes) for b in c.blocks
-    ]
-
-
 def _streamed_weights_s(
     ctx: Context, gpu: GpuTime, sb: dict[int, int], window: int, frozen: list[bool], h2d_rate: float
 ) -> float:
@@ -551,7 +543,7 @@ def evaluate(ctx: Context, s: State) -> Evaluation:
     compute_s, recompute_s = gpu.total_s, gpu.recompute_s
 
     # each streamed block is refilled for its forward and its backward, but for those turn holds keep
-    window_blocks, frozen = (round(window / max_streamed) if streamed else 0), _frozen(c)
+    window_blocks, frozen = (round(window / max_streamed) if streamed else 0), frozen_blocks(c.blocks)
     tail, head = held_blocks(streamed, window_blocks, frozen)
     h2d = 2 * sum(sb.values()) - sum(sb[i] for i in tail + head) + offload_bytes
     h2d += sum(b.trainable_bytes for b in host_opt if s.resident[b.index])  # updated weights return

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tidal_plan.census import ModelCensus
 from tidal_plan.cost import Context, Evaluation, State, evaluate
+from tidal_plan.stream_schedule import frozen_blocks, spread_streamed
 
 __all__: list[str] = []
 
@@ -268,4 +269,38 @@ def search(ctx: Context, s: State, fx: Fixed, prefer: str) -> tuple[State, Evalu
         s, ev, changed = _activation_modes(ctx, s, ev, fx, prefer)
         if not changed:
             break
-    return _tidy_activations(ctx, s, ev, fx)
+    s, ev = _tidy_activations(ctx, s, ev, fx)
+    return _spread_streamed_blocks(ctx, s, ev, fx)
+
+
+def _spread_streamed_blocks(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -> tuple[State, Evaluation]:
+    """The same number of streamed blocks spread through the stack, when none of them streams a trained
+    weight, the user fixed no block's residency, and that fits and predicts no worse.
+
+    The search makes residency grow from the first block up ([Note: overlap order]: the host updates of
+    late blocks hide best), which leaves a run of streamed blocks at the end. For frozen blocks (a LoRA
+    base) nothing waits on the host, and a run leaves the link alone on the critical path while the
+    resident blocks compute; spread, each copy runs beside them (``stream_schedule.spread_streamed``). The
+    resident blocks keep their optimizer placement in order; streamed blocks update on the host.
+    """
+    n = len(s.resident)
+    streamed = [i for i in range(n) if not s.resident[i]]
+    if (
+        not streamed
+        or any(r is not None for r in fx.resident)
+        or not all(frozen_blocks(ctx.census.blocks)[i] for i in streamed)
+    ):
+        return s, ev
+    spread = set(spread_streamed(range(n), len(streamed), n))
+    t = s.copy()
+    resident_opt = iter([s.opt_gpu[i] for i in range(n) if s.resident[i]])
+    for i in range(n):
+        t.resident[i] = i not in spread
+        t.opt_gpu[i] = next(resident_opt) if t.resident[i] else False
+    if t.resident == s.resident:
+        return s, ev
+    et = evaluate(ctx, t)
+    fits = et.vram_total <= ctx.budget and et.host_total <= max(ctx.host_usable, ev.host_total)
+    if fits and et.objective <= ev.objective * (1 + 1e-9):
+        return t, et
+    return s, ev

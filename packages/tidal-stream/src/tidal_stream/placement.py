@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_plan import spread_streamed
 from tidal_stream.block_graphs import graphs_reserve_bytes
 from tidal_stream.device_share import (
     device_share,
@@ -41,6 +42,7 @@ from tidal_stream.device_share import (
     widen_workspace,
 )
 from tidal_stream.kept_activations import (
+    activations_of,
     activations_to_refine,
     block_ranges,
     keep_activations,
@@ -63,6 +65,7 @@ __all__ = [
     "keep_offloaded_activations",
     "keep_recomputed_activations",
     "measured_room",
+    "offloading_blocks",
     "promote_to_device",
     "refine_after_first_step",
     "streams_weights",
@@ -311,7 +314,7 @@ def refine_after_first_step(
     chosen, total = device_share(opt.host_slots(), room, opt.moment_dtype.itemsize, streaming, on_device)
     moved, unstreamed = promote_to_device(opt, chosen, streaming)
     frozen, frozen_bytes = unstream_frozen_blocks(
-        streaming, room - total, host_updated_blocks(opt, streaming)
+        streaming, room - total, host_updated_blocks(opt, streaming), offloading_blocks(session)
     )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
@@ -408,7 +411,9 @@ def keep_activations_after_first_step(
     (``unstream``; every weight a data-parallel rank streams is frozen: trained ones stay resident), then
     offloaded and recomputed blocks keep their activations on the device."""
     peak_alloc, used, room, headroom = measured_room(session.device, foreign, budget)
-    frozen, frozen_bytes = unstream_frozen_blocks(_streaming_of(session) if unstream else None, room)
+    frozen, frozen_bytes = unstream_frozen_blocks(
+        _streaming_of(session) if unstream else None, room, busy=offloading_blocks(session)
+    )
     kept, kept_bytes = keep_activations(session, room - frozen_bytes)
     session.record(
         "placement",
@@ -454,35 +459,58 @@ def streams_weights(session: Any) -> bool:
 
 
 def unstream_frozen_blocks(
-    streaming: Any, room: int, updated: frozenset[int] = frozenset()
+    streaming: Any, room: int, updated: frozenset[int] = frozenset(), busy: frozenset[int] = frozenset()
 ) -> tuple[list[int], int]:
-    """Stop streaming the blocks whose streamed weights are all frozen while their bytes fit ``room``.
+    """Stop streaming as many of the blocks whose streamed weights are all frozen as ``room`` holds,
+    choosing them so the blocks that keep streaming spread through the stack.
 
     A LoRA base streams without any optimizer state of its own, so :func:`device_share` never reaches it;
-    with no host update to wait for, its host copy is current and the block can stay on the device. Earlier
-    blocks go first, in forward order, as :func:`device_share` moves its units.
+    with no host update to wait for, its host copy is current and the block can stay on the device. Which
+    ones stay matters for speed, not memory: a streamed block between resident ones is fetched while they
+    compute, where a run of streamed blocks leaves the host link alone on the critical path
+    (``tidal_plan.stream_schedule.spread_streamed``). Blocks whose activations cross the link
+    (``busy``) already keep it occupied while they compute, so the streamed blocks spread among the others
+    when there are enough of them.
 
     Args:
         streaming: the weight-streaming extension, or None (nothing streams, or it must keep streaming).
         room: device bytes the blocks may take.
         updated: blocks whose streamed weights the host optimizer updates (:func:`host_updated_blocks`):
             they keep streaming.
+        busy: blocks whose activations are offloaded (:func:`offloading_blocks`).
 
     Returns:
         The blocks that stopped streaming, and their weight bytes.
     """
     if streaming is None or room <= 0:
         return [], 0
-    chosen: list[int] = []
-    total = 0
-    for i in streaming.weights.streamed:
-        nbytes = streaming.weights.block_nbytes(i)
-        if i in updated or total + nbytes > room:
-            continue
-        chosen.append(i)
-        total += nbytes
-    streaming.unstream(chosen)
+    movable = [i for i in streaming.weights.streamed if i not in updated]
+    size = {i: streaming.weights.block_nbytes(i) for i in movable}
+    fit, total = 0, 0
+    for nbytes in sorted(size.values()):  # the most blocks the room holds: the smallest ones
+        if total + nbytes > room:
+            break
+        fit, total = fit + 1, total + nbytes
+    n_blocks = len(streaming.weights.blocks)
+    quiet = [i for i in movable if i not in busy]
+    for keep_count in range(len(movable) - fit, len(movable) + 1):
+        pool = quiet if len(quiet) >= keep_count else movable
+        keep = set(spread_streamed(pool, keep_count, n_blocks))
+        chosen = [i for i in movable if i not in keep]
+        total = sum(size[i] for i in chosen)
+        if total <= room:  # blocks of unequal sizes: a spread may need one more kept streaming
+            break
+    if chosen:
+        streaming.unstream(chosen)
     return chosen, total
+
+
+def offloading_blocks(session: Any) -> frozenset[int]:
+    """Blocks whose saved activations go to the host and back (policy "offload")."""
+    acts = activations_of(session)
+    if acts is None:
+        return frozenset()
+    return frozenset(i for i, p in enumerate(acts.stats()["policies"]) if p == "offload")
 
 
 def host_updated_blocks(opt: Any, streaming: Any) -> frozenset[int]:

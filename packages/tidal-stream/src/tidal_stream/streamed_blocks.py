@@ -2,10 +2,12 @@
 
 Every parameter and buffer of every block lives in (pinned) host memory; at most ``prefetch_ahead + 1``
 blocks hold device copies at a time. Module forward pre/post hooks — never a patched ``forward`` —
-refill block ``i`` (if the prefetch has not already) and start the H2D copy of blocks ``i+1 .. i+k`` on
-the H2D stream, then release block ``i`` once its forward is queued. In training, a gradient hook on each
-block's outputs refills the block again before its backward runs and prefetches ``i-1 .. i-k`` (reverse
-order); blocks whose backward is finished are released, the rest at the end of backward.
+refill block ``i`` (if the prefetch has not already) and start the H2D copy of the next ``k`` streamed
+blocks after it on the H2D stream, then release block ``i`` once its forward is queued. In training, a
+gradient hook on each block's outputs refills the block again before its backward runs and prefetches
+the next ``k`` streamed blocks before it (reverse order); blocks whose backward is finished are released,
+the rest at the end of backward. Blocks kept resident (``keep_resident``) are skipped when looking ahead:
+the copy of the streamed block after them runs while they compute.
 
 [Note: turn holds] A training step turns twice: the backward needs first the blocks the forward ran last,
 and the next forward needs first the blocks the backward ran last. With ``hold_turns`` the window keeps
@@ -44,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tidal_plan import streamed_ahead
 from tidal_stream._block_adoption import BlockAdoption
 from tidal_stream._empty_guard import unguard, unguarded
 from tidal_stream._host_buffers import HostBuffers
@@ -65,7 +68,8 @@ class StreamedBlocks:
         blocks: The blocks in execution order (e.g. ``model.model.layers``). Their parameters and buffers
             move to host memory; the ``Parameter`` objects stay the same (optimizers keep working).
         device: Where the blocks compute (``"cuda"``, ``"cuda:N"``, or ``"cpu"`` as a stand-in).
-        prefetch_ahead: Blocks fetched ahead of the running one, forward and backward (``k >= 0``).
+        prefetch_ahead: Streamed blocks fetched ahead of the running one, forward and backward (``k >= 0``);
+            blocks kept resident between are skipped.
         slot_bytes: Optional per-block byte budget; a larger block raises :class:`SlotBudgetError`.
         arena: Optional ``tidal_arena.PinnedArena`` for the host copies.
         pin: Page-lock host copies when no arena is given (CUDA only).
@@ -287,6 +291,13 @@ class StreamedBlocks:
             self._blocks[j].compute = compute
             self._fetch(j, "prefetch", compute)
 
+    def _ahead(self, i: int, step: int) -> list[int]:
+        """The next ``prefetch_ahead`` streamed blocks after block ``i`` in the direction ``step`` (+1 forward,
+        -1 backward). Blocks kept resident between are skipped: their compute hides the copies."""
+        return streamed_ahead(
+            [j not in self._pinned for j in range(len(self._blocks))], i, self.prefetch_ahead, step
+        )
+
     def _streamed_order(self, reverse: bool = False) -> list[_Block]:
         """The streamed (not kept resident) blocks in forward order, or backward order."""
         order = [b for b in self._blocks if b.index not in self._pinned]
@@ -318,8 +329,7 @@ class StreamedBlocks:
                 self._release_stale_holds(i)
             self._make_ready(i, "backward" if in_bwd else "forward")
             if not in_bwd:
-                n = len(self._blocks)
-                self._prefetch(range(i + 1, min(n, i + 1 + self.prefetch_ahead)), i)
+                self._prefetch(self._ahead(i, 1), i)
 
         return pre_hook
 
@@ -354,7 +364,7 @@ class StreamedBlocks:
             if b.index not in head:  # the head waits for the next forward (see [Note: turn holds])
                 self._release(b.index, "backward")
         self._make_ready(i, "backward")
-        self._prefetch(range(i - 1, max(-1, i - 1 - self.prefetch_ahead), -1), i)
+        self._prefetch(self._ahead(i, -1), i)
 
     def _end_backward(self) -> None:
         self._bwd_task = -1

@@ -160,10 +160,22 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     }
     if ctx.budget_bytes is not None:
         options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
+    options.update(_batch_tokens(sc))
     model, opt = wrap(model, opt, **options)
     _WRAPPED[:] = [model]
     ids = ctx.batch()  # [B, T]
     return train_step(model, opt, ids)
+
+
+def _batch_tokens(sc: Scenario) -> dict[str, int]:
+    """``batch_tokens`` for ``wrap`` when the scenario's step is larger than the plan's default (full8b:
+    8,192 tokens), as its out-of-memory note tells a user to do. A smaller step is left to the default: the
+    plan then sizes activations and the loss for more tokens than come, and the measured first step
+    hands the difference to resident blocks and kept activations."""
+    from tidal_plan import PlanConfig
+
+    default = PlanConfig().batch_tokens
+    return {"batch_tokens": sc.tokens_per_step} if sc.tokens_per_step > default else {}
 
 
 _WRAPPED: list[nn.Module] = []  # the model of this engine process's run, for notes()

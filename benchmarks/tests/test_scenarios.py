@@ -71,3 +71,14 @@ def test_bad_scenario_fields_are_rejected(field: str, value: object) -> None:
 
     with pytest.raises(ValueError, match=field.split("_")[0]):
         dataclasses.replace(SCENARIOS["smoke"], **{field: value})
+
+
+def test_tidal_is_told_the_batch_only_when_it_exceeds_the_plans_default():
+    """full8b steps 8,192 tokens, more than the 4,096 the plan assumes unless told: the engine passes
+    batch_tokens (else the plan sizes the loss for half the logits and the first step runs out of memory);
+    the LoRA scenarios step fewer tokens and keep the default."""
+    from engines.tidal_engine import _batch_tokens
+
+    assert _batch_tokens(SCENARIOS["full8b"]) == {"batch_tokens": 4 * 2048}
+    for name in ("lora14b", "lora14b_2k", "full1.5b", "lora72b"):
+        assert _batch_tokens(SCENARIOS[name]) == {}

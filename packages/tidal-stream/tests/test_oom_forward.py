@@ -65,3 +65,49 @@ def test_instance_forward_set_before_is_kept_inside():
     assert torch.equal(m(x), m.lin(x)) and calls
     h.remove()
     assert m.__dict__["forward"] is outer
+
+
+def test_forward_tokens_counts_ids_or_embedding_rows():
+    from tidal_stream.oom import forward_tokens
+
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    assert forward_tokens((), {"input_ids": ids}) == 12
+    assert forward_tokens((object(), ids), {}) == 12  # a bound model first, then the ids
+    assert forward_tokens((), {"inputs_embeds": torch.zeros(2, 6, 8)}) == 12
+    assert forward_tokens((), {}) is None and forward_tokens((torch.tensor(3),), {}) is None
+
+
+class _PlannedSession:
+    """What the note reads of a session whose plan sized 8 tokens per step, on the CPU."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.device = torch.device("cpu")
+        self.options = types.SimpleNamespace(vram_budget_bytes=2**30, vram_budget="1GiB", rollback=False)
+        self.plan = types.SimpleNamespace(tiers={"vram": 2**29}, vram_budget_bytes=2**30, batch_tokens=8)
+        self.model = None
+        self.events: list[tuple[str, str, dict]] = []
+
+    def record(self, kind: str, message: str, **data: object) -> None:
+        self.events.append((kind, message, data))
+
+
+def test_a_forward_larger_than_the_plans_batch_is_logged_once_and_named_in_the_note(caplog):
+    """The plan sized 8 tokens per step, a forward brings 12: one warning and one "plan" event before it
+    runs (none for a forward within the plan, none again for the next larger one), and an out-of-memory
+    note names both figures and the batch_tokens that plans for them."""
+    from tidal_stream.oom import oom_note
+
+    m, session = _Tiny(), _PlannedSession()
+    install_forward_note(session, m)
+    m(torch.randn(2, 4, 4))  # 8 rows of 4: the plan's batch
+    assert session.events == [] and "this forward" not in oom_note(session, "forward")[0]
+    with caplog.at_level("WARNING", logger="tidal_stream.oom"):
+        m(torch.randn(3, 4, 4))
+        m(torch.randn(3, 4, 4))
+    assert [(k, d) for k, _, d in session.events] == [("plan", {"tokens": 12, "planned_tokens": 8})]
+    assert "wrap(..., batch_tokens=12)" in session.events[0][1] and len(caplog.records) == 1
+    note, data = oom_note(session, "forward")
+    assert "this forward: 12 tokens; the plan sized activations and the loss for 8 per step" in note
+    assert data["forward_tokens"] == 12 and data["planned_tokens"] == 8

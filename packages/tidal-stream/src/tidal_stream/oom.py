@@ -5,8 +5,10 @@ in the model's forward (``wrap()`` installs an instance-level forward wrapper, r
 the streaming and prefetch hooks of the block stack run inside it), in the optimizer's gradient hooks,
 in ``step()`` or in ``synchronize()`` — gets a note naming the VRAM budget, the plan's predicted device
 bytes (when a plan exists), the device peak read at the end of the last completed step, what is allocated
-now, and the fixes (a smaller batch or ``batch_tokens``, ``recompute=True`` / ``activation_offload=True``,
-or a re-plan: ``unwrap()`` then ``wrap(..., vram_budget=lower)``). The event goes to the decision log
+now, the forward's tokens when they exceed those the plan sized activations and the loss for (wrap()'s
+plan assumes 4,096 per step unless told ``batch_tokens``; the first such forward is also logged before
+anything runs out), and the fixes (a smaller batch or ``batch_tokens``, ``recompute=True`` /
+``activation_offload=True``, or a re-plan: ``unwrap()`` then ``wrap(..., vram_budget=lower)``). The event goes to the decision log
 (``memory_report(model)["events"]``, kind ``"oom"``). The exception keeps its type and object (Python ≥
 3.11: ``add_note``); on 3.10 a :class:`TidalOutOfMemoryError` — a ``torch.OutOfMemoryError`` subclass, so
 ``except torch.OutOfMemoryError`` still catches it — is raised from the original with the note in its
@@ -31,7 +33,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["TidalOutOfMemoryError", "annotates_oom", "install_forward_note", "note_step_done", "oom_note"]
+__all__ = [
+    "TidalOutOfMemoryError",
+    "annotates_oom",
+    "forward_tokens",
+    "install_forward_note",
+    "note_forward_tokens",
+    "note_step_done",
+    "oom_note",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,47 @@ class _StepMemory:
 
 
 _STEPS: weakref.WeakKeyDictionary[Any, _StepMemory] = weakref.WeakKeyDictionary()
+_TOKENS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # tokens of the last forward
+_TOLD: weakref.WeakSet[Any] = weakref.WeakSet()  # sessions already told their batch outgrew the plan
+
+
+def forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Tokens of one forward call of a causal LM: the elements of ``input_ids`` (the keyword, else the
+    first tensor argument), or the rows of ``inputs_embeds`` / a floating first argument; None if neither."""
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    if x.is_floating_point():  # embeddings: [..., hidden]
+        return x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else None
+    return x.numel()
+
+
+def _planned_tokens(session: Any) -> int:
+    """Tokens per step the session's plan sized activations and the loss for (0: no plan)."""
+    plan = getattr(session, "plan", None)
+    return int(getattr(plan, "batch_tokens", 0) or 0) if plan is not None else 0
+
+
+def note_forward_tokens(session: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Remember a forward's tokens for the note; the first forward larger than the plan's batch is logged
+    (a warning and a ``"plan"`` event) with the option that plans for it, before memory can run out."""
+    tokens = forward_tokens(args, kwargs)
+    if tokens is None:
+        return
+    _TOKENS[session] = tokens
+    planned = _planned_tokens(session)
+    if planned and tokens > planned and session not in _TOLD:
+        _TOLD.add(session)
+        msg = (
+            f"this forward has {tokens} tokens, more than the {planned} per step the plan sized activations "
+            f"and the loss for: memory may run out; wrap(..., batch_tokens={tokens}) plans for this batch"
+        )
+        log.warning("tidal: %s", msg)
+        session.record("plan", msg, tokens=tokens, planned_tokens=planned)
 
 
 def note_step_done(session: Any) -> None:
@@ -129,6 +180,16 @@ def oom_note(session: Any, where: str, queued: bool = False) -> tuple[str, dict[
         if allocated is not None
         else f"allocated now: not measured on {dev}"
     )
+    tokens, planned_tokens = _TOKENS.get(session), _planned_tokens(session)
+    outgrown = tokens is not None and planned_tokens and tokens > planned_tokens
+    tokens_line = (
+        [
+            f"  this forward: {tokens} tokens; the plan sized activations and the loss for {planned_tokens} "
+            f"per step: wrap(..., batch_tokens={tokens}) plans for this batch."
+        ]
+        if outgrown
+        else []
+    )
     lower = budget if budget is not None else (plan_budget or total)
     lower_txt = f"lower than {_gib(lower).split(' (')[0]}" if lower else "lower"
     note = "\n".join(
@@ -138,6 +199,7 @@ def oom_note(session: Any, where: str, queued: bool = False) -> tuple[str, dict[
             f"  {plan_line}",
             f"  {peak_line}",
             f"  {now_line}",
+            *tokens_line,
             "  Fixes: a smaller batch (or wrap(..., batch_tokens=smaller)); recompute=True or "
             "activation_offload=True; or re-plan with new figures: save optimizer.state_dict(), unwrap(model), "
             f"wrap(model, ..., vram_budget={lower_txt}) and load the state dict.",
@@ -158,6 +220,8 @@ def oom_note(session: Any, where: str, queued: bool = False) -> tuple[str, dict[
         "last_step_peak_bytes": mem.peak_bytes,
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,
+        "forward_tokens": tokens,
+        "planned_tokens": planned_tokens or None,
     }
     return note, data
 
@@ -233,6 +297,7 @@ def install_forward_note(session: Any, model: nn.Module) -> _ForwardHandle:
     orig = model.forward
 
     def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        note_forward_tokens(session, args, kwargs)
         try:
             return fn(*args, **kwargs)
         except torch.OutOfMemoryError as exc:

@@ -147,7 +147,8 @@ class WrapOptions:
     recompute: Fraction = "auto"
     """(part 2) Recompute blocks in backward: ``"auto"``, True, False, a fraction, or block indices."""
     prefetch_depth: int | None = None
-    """(part 2) Blocks prefetched ahead of the one computing; None: the plan's choice."""
+    """(part 2) Streamed blocks prefetched ahead of the one computing (resident blocks between are skipped);
+    None: the plan's choice."""
     max_inflight_bytes: int | str | None = None
     """(part 2) Bound on bytes in flight over PCIe; None: the plan's choice."""
     blocks: Any = None

@@ -307,7 +307,7 @@ def test_auto_part2_options_follow_the_plan():
     unwrap(model)
 
 
-def test_verbose_prints_decisions_and_report_has_tiers(capsys):
+def test_verbose_prints_decisions_and_report_has_tiers_and_host_work(capsys):
     model, opt = wrap(make_model(), None, lr=1e-3, offload=True, verbose=True)
     loss_fn(model, 0).backward()
     opt.step()
@@ -321,6 +321,17 @@ def test_verbose_prints_decisions_and_report_has_tiers(capsys):
     assert rep["host"]["bytes_by_tag"] == {k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq", "grad")}
     assert rep["d2h_bytes"] == 4 * n and rep["h2d_bytes"] == 4 * n
     assert rep["tiers"]["device"]["weights_bytes"] > 0
+    # every trainable tensor updated once on the host, in measured (non-zero) worker seconds
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    work = rep["host_optimizer"]
+    assert work["steps"] == 1 and work["updates"] == tensors and work["update_s"] > 0
+    assert work["update_s_per_step"] == work["update_s"]
+    loss_fn(model, 1).backward()
+    opt.step()
+    opt.synchronize()
+    work = memory_report(model)["host_optimizer"]
+    assert work["steps"] == 2 and work["updates"] == 2 * tensors
+    assert work["update_s_per_step"] == pytest.approx(work["update_s"] / 2)
     unwrap(model)
     with pytest.raises(StreamError, match="closed by unwrap"):
         opt.step()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -181,6 +182,9 @@ class OffloadAdamW(
         self._to_push: list[_Slot] = []
         self._seed = seed
         self._closed = False
+        self._host_updates = 0  # parameter updates the host ran (worker thread)
+        self._host_update_s = 0.0  # seconds of them: the AdamW pass with its widening and narrowing
+        self._steps = 0  # steps that queued updates (the last micro-step of each)
         self._after_first_update: Any = None  # set by wrap(): measure, then place the device share
         # device gradients whose D2H copy is in flight, oldest first: (landed event, gradient, bytes)
         self._inflight: collections.deque[tuple[StreamEvent, torch.Tensor, int]] = collections.deque()
@@ -394,6 +398,7 @@ class OffloadAdamW(
             undo = self._journal(s, gen)  # the update copies the old state there, chunk by chunk
             # narrowed during the update when the weight goes back right after it
             narrow = not self.delayed_update and s.host_weight is None and s.staging is not s.master
+            t0 = time.perf_counter()
             adam_update(
                 s.master,
                 s.grad,
@@ -408,6 +413,8 @@ class OffloadAdamW(
                 grad_scale=coef,
                 narrow_to=s.staging if narrow else None,
             )
+            self._host_update_s += time.perf_counter() - t0
+            self._host_updates += 1
             if land is not None:
                 s.landing_free.set()
             if self.delayed_update:
@@ -451,6 +458,7 @@ class OffloadAdamW(
         self._reap()
         if not advance_micro(self):
             return loss
+        self._steps += 1
         with record_function("tidal::step"):
             coef = self._clip_coef() if self.max_grad_norm is not None else None
             if self.delayed_update:

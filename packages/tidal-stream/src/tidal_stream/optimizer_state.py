@@ -56,8 +56,12 @@ class OffloadStateMixin:
 
     Relies on the optimizer's ``state``, ``param_groups``, ``_slots`` (host), ``_gpu`` (device),
     ``_handles``, ``_worker``, ``_landed``, ``_to_push``, ``session``, ``synchronize()``, ``_push`` and
-    ``_on_grad``.
+    ``_on_grad``; ``host_work()`` reads its counters ``_steps``, ``_host_updates`` and ``_host_update_s``.
     """
+
+    _steps: int
+    _host_updates: int
+    _host_update_s: float
 
     # ------------------------------------------------------------------ step journal
     def _journal(self, s: Any, gen: int) -> UndoCopy | None:
@@ -203,6 +207,19 @@ class OffloadStateMixin:
             if k in keep
         ]
         return moved
+
+    def host_work(self) -> dict[str, float | int]:
+        """What the host optimizer did since ``wrap()``: ``steps`` (optimizer steps that queued updates),
+        ``updates`` (parameter updates the host ran), ``update_s`` (their seconds on the worker thread: the
+        AdamW pass with its widening and narrowing, not the waits for copies; updates still queued are not
+        in it yet) and ``update_s_per_step``."""
+        steps, seconds = self._steps, self._host_update_s
+        return {
+            "steps": steps,
+            "updates": self._host_updates,
+            "update_s": seconds,
+            "update_s_per_step": seconds / steps if steps else 0.0,
+        }
 
     def memory_tiers(self) -> dict[str, dict[str, int]]:
         """Optimizer bytes per tier: parameters updated there and the bytes of their state.

@@ -93,6 +93,8 @@ class Session:
         opt = self.optimizer
         if opt is not None and hasattr(opt, "memory_tiers"):
             out["tiers"] = opt.memory_tiers()
+        if opt is not None and hasattr(opt, "host_work"):
+            out["host_optimizer"] = opt.host_work()
         if self.model is not None:
             on_device = [
                 t

@@ -53,6 +53,7 @@ OPTION_VALUES = {
         st.integers(), junk_text, st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
     ),
     "batch_tokens": bad_pos_int(none_ok=True),
+    "host_ram": bad_bytes(),
     "loss_chunk_tokens": bad_pos_int(none_ok=True),
     "param_offload": bad_fraction(list_ok=True),
     "activation_offload": bad_fraction(list_ok=False),

@@ -24,7 +24,7 @@ from _common import make_model
 import tidal_arena.config as arena_config
 from tidal_arena import PageLockLimitError, arena_stats
 from tidal_plan import HardwareProfile, InfeasiblePlan, PlanConfig, census, plan
-from tidal_stream import wrap
+from tidal_stream import unwrap, wrap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,11 +81,13 @@ def test_plan_config_host_ram_override_refuses():
     assert err.value.available_bytes <= 100 << 10 < err.value.needed_bytes
 
 
-def test_wrap_has_no_host_ram_option():
-    """Gap (recorded in docs/reliability.md): wrap() itself takes no host_ram override; it must say so clearly."""
-    model = make_model(layers=1)
+def test_wrap_host_ram_option_is_validated():
+    """``wrap(host_ram=...)`` sets the host RAM a plan made by wrap() uses (on the CPU no plan is made, so it
+    is accepted and has nothing to act on); a value that is no size is refused naming the option."""
+    model, _opt = wrap(make_model(layers=1), None, lr=1e-3, host_ram="1GiB")
+    unwrap(model)
     with pytest.raises(ValueError, match="host_ram"):
-        wrap(model, None, host_ram="1GiB")
+        wrap(make_model(layers=1), None, lr=1e-3, host_ram="lots")
 
 
 @pytest.mark.gpu

@@ -799,3 +799,39 @@ def test_measured_tokens_come_from_the_input_bytes(monkeypatch):
     assert measured_tokens(session) == 512
     session.census = None
     assert measured_tokens(session) == 0
+
+
+def test_host_ram_goes_to_the_profile_and_a_host_refusal_names_the_models_own_bytes(monkeypatch):
+    """``host_ram`` is the plan's host RAM (its config's, in place of the profile's measurement); a plan refused for host RAM while the
+    model's weights sit in host memory (a GPU run) gets a note with their bytes and the host_ram that
+    counts them; not for another resource, on the CPU, or when host_ram was given."""
+    import tidal_plan
+    from tidal_plan import HardwareProfile, InfeasiblePlan
+    from tidal_stream.placement import _make_plan, model_host_bytes, note_model_host_bytes
+
+    model = tinygpt.TinyGPT(layers=2)
+    held = model_host_bytes(model)
+    assert held == sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    profile = HardwareProfile.synthetic(vram_budget_bytes="1GiB", host_ram_bytes=8 * GiB)
+    monkeypatch.setattr(tidal_plan, "profile_hardware", lambda *a, **k: profile)
+    opts = WrapOptions(vram_budget="1GiB", host_ram="200GiB", blocks=model.blocks)
+    _, p, measured, config = _make_plan(model, opts, torch.device("cuda", 0))
+    assert config.host_ram == "200GiB" and measured.host_ram_bytes == 8 * GiB
+    assert p.host_ram_bytes > 8 * GiB  # the plan's usable host RAM follows host_ram
+
+    cuda, no_host_ram = torch.device("cuda", 0), WrapOptions(vram_budget="1GiB")
+
+    def refused(resource: str) -> InfeasiblePlan:
+        return InfeasiblePlan(resource, 10 * GiB, 3 * GiB, f"not enough {resource}")
+
+    e = refused("host_ram")
+    note_model_host_bytes(e, model, no_host_ram, cuda)
+    (note,) = e.__notes__
+    assert f"hold {held / 2**30:.2f} GiB of host memory" in note
+    assert f"host_ram='{(3 * GiB + held) // 2**30}GiB'" in note
+    for err, o, dev in ((refused("vram"), no_host_ram, cuda), (refused("host_ram"), opts, cuda)):
+        note_model_host_bytes(err, model, o, dev)
+        assert not getattr(err, "__notes__", None)
+    e = refused("host_ram")
+    note_model_host_bytes(e, model, no_host_ram, torch.device("cpu"))
+    assert not getattr(e, "__notes__", None)

@@ -43,6 +43,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         ({"device": "meta"}, "cuda"),
         ({"plan": "fast"}, "tidal_plan.Plan"),
         ({"batch_tokens": 0}, ">= 1"),
+        ({"host_ram": "plenty"}, "24GiB"),
+        ({"host_ram": -1}, "positive"),
         ({"loss_chunk_tokens": 0}, ">= 1"),
         ({"lr": float("inf")}, "finite"),
     ],

@@ -135,6 +135,11 @@ class WrapOptions:
     """Seed of the stochastic-rounding generator of bf16 moments; default 0."""
     plan: Any = None
     """A ``tidal_plan.Plan`` to follow instead of planning (``offload="auto"`` only); default None."""
+    host_ram: int | str | None = None
+    """(plan) Host RAM the plan may use, bytes or a string like ``"200GiB"``; None: what is available when
+    ``wrap()`` plans. The model's own weights in host memory are not available then, yet ``wrap()`` frees
+    them as it moves them to the device or into pinned copies: a model built in host RAM larger than what
+    is left (a 110B base on a 256 GiB host) is planned by passing them in here."""
     batch_tokens: int | None = None
     """Tokens per micro-batch the plan sizes activations for; None: the plan's default."""
     loss_chunk_tokens: int | None = None
@@ -168,6 +173,7 @@ class WrapOptions:
 
     def __post_init__(self) -> None:
         parse_bytes_option("vram_budget", self.vram_budget)
+        parse_bytes_option("host_ram", self.host_ram)
         if self.device is not None:
             try:
                 torch.device(self.device)

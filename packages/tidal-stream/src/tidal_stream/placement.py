@@ -65,6 +65,8 @@ __all__ = [
     "keep_offloaded_activations",
     "keep_recomputed_activations",
     "measured_room",
+    "model_host_bytes",
+    "note_model_host_bytes",
     "offloading_blocks",
     "promote_to_device",
     "refine_after_first_step",
@@ -97,6 +99,35 @@ class Placement:
     """The refinement leaves streamed blocks streaming (a plan given as ``plan=``)."""
 
 
+def model_host_bytes(model: nn.Module) -> int:
+    """Host bytes of ``model``'s parameters and buffers, each storage once."""
+    tensors = (*model.parameters(), *model.buffers())
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t.device.type == "cpu"
+    }
+    return sum(storages.values())
+
+
+def note_model_host_bytes(e: Exception, model: nn.Module, opts: WrapOptions, device: torch.device) -> None:
+    """A plan refused for host RAM while the model's own weights sit in host memory: add a note that
+    ``wrap()`` frees them as it installs a plan, and the ``host_ram`` that lets the plan count them."""
+    held = model_host_bytes(model) if device.type == "cuda" else 0
+    if getattr(e, "resource", None) != "host_ram" or opts.host_ram is not None or not held:
+        return
+    available = getattr(e, "available_bytes", 0)
+    note = (
+        f"tidal: the model's own weights hold {held / 2**30:.2f} GiB of host memory now, not counted as "
+        "available; wrap() frees them as it moves them to the device or into pinned copies. If nothing else "
+        f"holds them, wrap(..., host_ram='{(available + held) // 2**30}GiB') plans with them counted."
+    )
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:  # pragma: no cover - Python 3.10: the note joins the message
+        e.args = (f"{e}\n{note}", *e.args[1:])
+
+
 def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any:
     from tidal_plan import PlanConfig, census, plan, profile_hardware
 
@@ -124,6 +155,8 @@ def _make_plan(model: nn.Module, opts: WrapOptions, device: torch.device) -> Any
     }
     if opts.batch_tokens is not None:
         cfg["batch_tokens"] = opts.batch_tokens
+    if opts.host_ram is not None:
+        cfg["host_ram"] = opts.host_ram  # the plan's host RAM instead of what the profile measured
     if opts.loss_chunk_tokens is not None:
         cfg["loss_chunk_tokens"] = opts.loss_chunk_tokens
     config = PlanConfig(**cfg)
@@ -168,7 +201,7 @@ def decide_placement(
     c = None
     p = opts.plan
     if p is None:
-        from tidal_plan import PlanConfigError
+        from tidal_plan import InfeasiblePlan, PlanConfigError
 
         try:
             c, p, session.profile, session.plan_config = _make_plan(model, opts, session.device)
@@ -176,6 +209,9 @@ def decide_placement(
             if opts.blocks is not None or e.option != "blocks":
                 raise  # blocks= was given and is wrong: the user must fix it
             return _no_plan_placement(session, model, opts, trainable, moment)
+        except InfeasiblePlan as e:
+            note_model_host_bytes(e, model, opts, session.device)
+            raise
     else:
         from tidal_plan import census
 

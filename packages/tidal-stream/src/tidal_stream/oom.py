@@ -8,11 +8,11 @@ bytes (when a plan exists), the device peak read at the end of the last complete
 now, the forward's tokens when they exceed those the plan sized activations and the loss for (wrap()'s
 plan assumes 4,096 per step unless told ``batch_tokens``; the first such forward is also logged before
 anything runs out), and the fixes (a smaller batch or ``batch_tokens``, ``recompute=True`` /
-``activation_offload=True``, or a re-plan: ``unwrap()`` then ``wrap(..., vram_budget=lower)``). The event goes to the decision log
-(``memory_report(model)["events"]``, kind ``"oom"``). The exception keeps its type and object (Python ≥
-3.11: ``add_note``); on 3.10 a :class:`TidalOutOfMemoryError` — a ``torch.OutOfMemoryError`` subclass, so
-``except torch.OutOfMemoryError`` still catches it — is raised from the original with the note in its
-message. The state afterwards is that of any failed step (see [Note: failed steps] in optimizer.py):
+``activation_offload=True``, or a re-plan: ``unwrap()`` then ``wrap(..., vram_budget=lower)``). The
+event goes to the decision log (``memory_report(model)["events"]``, kind ``"oom"``). The exception keeps
+its type and object (Python ≥ 3.11: ``add_note``); on 3.10 a :class:`TidalOutOfMemoryError` — a
+``torch.OutOfMemoryError`` subclass, so ``except torch.OutOfMemoryError`` still catches it — is raised
+from the original with the note in its message. The state afterwards is that of any failed step (see [Note: failed steps] in optimizer.py):
 call ``optimizer.zero_grad()`` and continue (with a smaller batch).
 
 Limit: an OOM raised by torch's own backward kernels, outside tidal's gradient hooks, reaches the caller

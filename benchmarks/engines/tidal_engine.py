@@ -134,8 +134,6 @@ def build_model(
 
 def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     """Build (or load) the model, add LoRA when the scenario trains adapters, ``tidal_stream.wrap`` it."""
-    from tidal_stream import wrap
-
     sc = ctx.scenario
     if fmt not in (None, "auto") and sc.mode != "lora":
         raise NotApplicable(f"{fmt} stores frozen weights; {sc.mode} fine-tuning trains every weight")
@@ -161,10 +159,31 @@ def setup(ctx: RunContext, fmt: str | None) -> Callable[[], float]:
     if ctx.budget_bytes is not None:
         options["vram_budget"] = _allocatable(ctx.budget_bytes, ctx.device)
     options.update(_batch_tokens(sc))
-    model, opt = wrap(model, opt, **options)
+    model, opt = _wrap_as_the_note_says(model, opt, options)
     _WRAPPED[:] = [model]
     ids = ctx.batch()  # [B, T]
     return train_step(model, opt, ids)
+
+
+def _wrap_as_the_note_says(model: nn.Module, opt: torch.optim.Optimizer, options: dict) -> tuple:
+    """``wrap``; when its plan is refused for host RAM while the model built in host memory holds it,
+    ``wrap`` again with ``host_ram`` counting those bytes, as the refusal's note tells a user to (lora110b:
+    a 207 GiB exact base built on a 256 GiB host). Other refusals stand."""
+    from tidal_plan import InfeasiblePlan
+    from tidal_stream import wrap
+    from tidal_stream.placement import model_host_bytes
+
+    try:
+        return wrap(model, opt, **options)
+    except InfeasiblePlan as e:
+        held = model_host_bytes(model)
+        if e.resource != "host_ram" or "host_ram" in options or not held:
+            raise
+        print(
+            f"tidal: {e}; wrapping again with host_ram counting the model's {held / 2**30:.1f} GiB",
+            flush=True,
+        )
+        return wrap(model, opt, **options, host_ram=e.available_bytes + held)
 
 
 def _batch_tokens(sc: Scenario) -> dict[str, int]:

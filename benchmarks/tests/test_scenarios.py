@@ -82,3 +82,40 @@ def test_tidal_is_told_the_batch_only_when_it_exceeds_the_plans_default():
     assert _batch_tokens(SCENARIOS["full8b"]) == {"batch_tokens": 4 * 2048}
     for name in ("lora14b", "lora14b_2k", "full1.5b", "lora72b"):
         assert _batch_tokens(SCENARIOS[name]) == {}
+
+
+def test_tidal_wraps_again_with_the_models_host_bytes_only_after_a_host_ram_refusal(monkeypatch):
+    """The engine follows the refusal's note: a plan refused for host RAM is retried once with host_ram =
+    the plan's usable host RAM plus the model's own host bytes; a VRAM refusal, or a host RAM refusal
+    with host_ram already given, stands."""
+    from engines.tidal_engine import _wrap_as_the_note_says
+    from torch import nn
+
+    import tidal_stream
+    from tidal_plan import InfeasiblePlan
+
+    model = nn.Linear(256, 256)
+    held = (256 * 256 + 256) * 4  # its fp32 weight and bias, in host memory
+    calls, refusing = [], {"resource": "host_ram", "until": "retry"}
+
+    def fake_wrap(m, opt, **options):
+        calls.append(options)
+        if refusing["until"] != "retry" or "host_ram" not in options:
+            res = refusing["resource"]
+            raise InfeasiblePlan(res, 10 * 2**30, 2**30, f"not enough {res}")
+        return m, opt
+
+    monkeypatch.setattr(tidal_stream, "wrap", fake_wrap)
+    assert _wrap_as_the_note_says(model, None, {"device": "cpu"}) == (model, None)
+    assert calls == [{"device": "cpu"}, {"device": "cpu", "host_ram": 2**30 + held}]
+    refusing.update(resource="vram", until="never")
+    for options in ({}, {"host_ram": "5GiB"}):
+        calls.clear()
+        with pytest.raises(InfeasiblePlan):
+            _wrap_as_the_note_says(model, None, options)
+        assert len(calls) == 1
+    refusing.update(resource="host_ram")
+    calls.clear()
+    with pytest.raises(InfeasiblePlan):
+        _wrap_as_the_note_says(model, None, {"host_ram": "5GiB"})
+    assert len(calls) == 1

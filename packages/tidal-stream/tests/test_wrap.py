@@ -392,3 +392,27 @@ def test_model_state_dict_of_streamed_weights_comes_from_their_host_copies(tmp_p
     unwrap(model)
     model.load_state_dict(back)
     assert max(max_abs_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())) < 1e-6
+
+
+def test_a_refused_plan_closes_the_session_and_leaves_the_model_as_given(monkeypatch):
+    """A placement refusal (an InfeasiblePlan from the planner) surfaces from wrap() with the session it
+    opened closed; the model is not marked wrapped and wraps again."""
+    from tidal_plan import InfeasiblePlan
+    from tidal_stream.session import Session
+
+    closed = []
+    real_close = Session.close
+    monkeypatch.setattr(Session, "close", lambda self: (closed.append(self), real_close(self))[1])
+
+    def refuse(*args, **kwargs):
+        raise InfeasiblePlan("host_ram", 10 * 2**30, 2**30, "not enough host_ram")
+
+    # the module (the package's name ``wrap`` is the function)
+    monkeypatch.setattr(importlib.import_module("tidal_stream.wrap"), "decide_placement", refuse)
+    model = make_model()
+    with pytest.raises(InfeasiblePlan, match="host_ram"):
+        wrap(model, None, lr=1e-3)
+    assert len(closed) == 1
+    monkeypatch.undo()
+    model, _opt = wrap(model, None, lr=1e-3)  # not marked wrapped by the refused call
+    unwrap(model)

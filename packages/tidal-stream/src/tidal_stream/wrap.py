@@ -266,7 +266,11 @@ def wrap(
         return wrap_distributed(model, optimizer, opts, device, dp)
     session = Session(model, opts, device)
     groups, decoupled, trainable = _setup_training(session, model, optimizer, opts)
-    place = decide_placement(session, model, opts, trainable)
+    try:
+        place = decide_placement(session, model, opts, trainable)
+    except BaseException:
+        session.close()  # a refused plan: nothing is installed yet, the model is as it was given
+        raise
     moment = place.moment_dtype
     defaults = {"lr": opts.lr if opts.lr is not None else 1e-3}
     opt = OffloadAdamW(

@@ -138,10 +138,16 @@ _PREDICTED = re.compile(
 _GRAPHED = re.compile(r"captured CUDA graphs of blocks (?!none)([\d,\- ]+)")
 
 
+_RELEASED = "CUDA graphs released:"
+
+
 def _graphed_blocks(notes: str) -> str:
-    """The blocks a run replayed as CUDA graphs (from its "graphs" decision), or "no"."""
+    """The blocks a run replayed as CUDA graphs (from its "graphs" decision), "no", or the captured blocks
+    marked released when the capture-step check gave them up (the timed steps then ran eagerly)."""
     m = _GRAPHED.search(notes)
-    return m.group(1).strip() if m else "no"
+    if m is None:
+        return "no"
+    return f"released ({m.group(1).strip()} captured)" if _RELEASED in notes else m.group(1).strip()
 
 
 def prediction_table(rows: list[dict[str, Any]]) -> str:

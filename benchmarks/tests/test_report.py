@@ -175,6 +175,14 @@ def test_prediction_table_sets_the_logged_prediction_beside_the_measured_step():
     assert report.prediction_table(rows).splitlines()[2:] == [
         "| lora14b | tidal NF4 | 512 | 0-47 | 588 | 603 | 1.03 |"
     ]
+    # graphs the capture-step check gave up: the timed steps ran eagerly
+    rows[0]["engine_notes"].append(
+        "CUDA graphs released: the step that captured them peaked at 23.24 GiB ..."
+    )
+    assert report.prediction_table(rows).splitlines()[2:] == [
+        "| lora14b | tidal NF4 | 512 | released (0-47 captured) | 588 | 603 | 1.03 |"
+    ]
+    rows[0]["engine_notes"].pop()
     assert report.prediction_table(rows[1:]) == ""
     doc = report.render_doc(rows, [], None)
     assert "## tidal's cost model at the measured batch" in doc and "| lora14b | tidal NF4 | 512 |" in doc

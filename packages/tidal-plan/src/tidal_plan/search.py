@@ -285,11 +285,8 @@ def _spread_streamed_blocks(ctx: Context, s: State, ev: Evaluation, fx: Fixed) -
     """
     n = len(s.resident)
     streamed = [i for i in range(n) if not s.resident[i]]
-    if (
-        not streamed
-        or any(r is not None for r in fx.resident)
-        or not all(frozen_blocks(ctx.census.blocks)[i] for i in streamed)
-    ):
+    frozen = frozen_blocks(ctx.census.blocks)
+    if not streamed or any(r is not None for r in fx.resident) or not all(frozen[i] for i in streamed):
         return s, ev
     spread = set(spread_streamed(range(n), len(streamed), n))
     t = s.copy()

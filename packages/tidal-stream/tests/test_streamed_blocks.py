@@ -429,3 +429,45 @@ def test_prefetch_looks_past_blocks_kept_resident():
     assert next(res for b, _, res in fetched if b == 3) == (0, 1, 2, 3)  # forward: block 0 still there
     assert next(res for b, p, res in fetched if b == 0 and p == "prefetch") == (0, 1, 2, 3)  # backward
     assert sb.stats()["demand_fetches"] == 2 * 2
+
+
+def test_host_copies_are_page_locked_block_by_block(monkeypatch):
+    """Without an arena on CUDA, each block's exact bytes are page-locked just before its tensors are copied
+    in, so a model built in host memory frees its pageable originals block by block instead of holding
+    them beside one up-front reservation of every streamed block (the CPU stands in: a pageable arena
+    serves the requests)."""
+    import tidal_arena
+    from tidal_stream._block_adoption import BlockAdoption, _aligned
+    from tidal_stream._host_buffers import HostBuffers
+
+    events: list[tuple[str, object]] = []
+
+    class RecordingArena(tidal_arena.PinnedArena):
+        def __init__(self, config):
+            super().__init__(tidal_arena.ArenaConfig(backend="pageable"))
+
+        def reserve(self, nbytes):
+            events.append(("reserve", nbytes))
+            super().reserve(nbytes)
+
+    monkeypatch.setattr(tidal_arena, "PinnedArena", RecordingArena)
+    _, model = make(torch.float32, "cpu")
+    host = HostBuffers(torch.device("cpu"))
+    host.pin = True  # as on CUDA without an arena
+    alloc_like = host.alloc_like
+
+    def recorded(t, tag):
+        events.append(("copy", tag.split(".")[1]))
+        return alloc_like(t, tag)
+
+    host.alloc_like = recorded
+    blocks = BlockAdoption(torch.device("cpu"), host, None, True, None).adopt(list(model.layers))
+    expected: list[tuple[str, object]] = []
+    for i, layer in enumerate(model.layers):
+        tensors = [*layer.parameters(), *layer.buffers()]
+        expected.append(("reserve", sum(_aligned(s.nbytes) for s in blocks[i].slots)))
+        expected += [("copy", f"block{i}")] * len(tensors)
+    assert events == expected
+    assert host._own_arena and host.arena.stats().slabs == len(model.layers)
+    assert host.arena.stats().fallbacks == 0  # every copy fitted the slab reserved for its block
+    host.free_all()

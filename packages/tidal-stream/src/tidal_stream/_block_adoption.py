@@ -15,6 +15,12 @@ from tidal_stream.errors import SlotBudgetError, StreamingError
 
 __all__ = ["BlockAdoption"]
 
+_ARENA_ALIGN = 512  # bytes: tidal_arena's default block alignment, which every carved buffer is rounded to
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+
 
 class BlockAdoption:
     """Moves the tensors of a block stack to host copies; see ``StreamedBlocks``' arguments of the same names."""
@@ -70,14 +76,14 @@ class BlockAdoption:
                     f"slot_bytes to at least {nbytes}, or split the block."
                 )
             plan.append(found)
-        # pass 2: move every tensor to host memory and empty its device storage
-        align = 512  # the arena's default block alignment
-        own = [t for f in plan for _, _, t, _ in f if not self._adopts(t)]
-        self.host.reserve_own_arena(
-            sum((t.numel() * t.element_size() + align - 1) // align * align for t in own)
-        )
+        # pass 2, block by block: page-lock exactly the block's bytes, copy its tensors in and empty their
+        # storage. A model built in host memory then frees its pageable originals as their pinned copies
+        # fill, so the host never holds the streamed weights twice (lora110b: 103 GiB pinned out of a
+        # 207 GiB model on a 256 GiB host).
         out: list[_Block] = []
         for i, (mod, found) in enumerate(zip(modules, plan)):
+            own = [t for _, _, t, _ in found if not self._adopts(t)]
+            self.host.reserve_own_arena(sum(_aligned(t.numel() * t.element_size()) for t in own))
             slots = [self._adopt_tensor(sub, name, t, is_param, i) for sub, name, t, is_param in found]
             out.append(_Block(i, mod, slots, sum(s.nbytes for s in slots)))
         return out

@@ -40,6 +40,8 @@ class HostBuffers:
             self.degraded.append("pin=True but CUDA is unavailable: host copies are pageable")
             logger.warning("tidal-stream: %s", self.degraded[-1])
         self._blocks: list[Any] = []
+        self._own_arena = False  # the arena was created here (reserve_own_arena) and is closed here
+        self._arena_full = False  # our own arena could not grow: new buffers come from torch's pool
 
     def empty_like(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         """A host tensor with ``t``'s dtype, shape and strides; kept until :meth:`free_all`."""
@@ -51,31 +53,37 @@ class HostBuffers:
     def alloc_like(self, t: torch.Tensor, tag: str) -> tuple[torch.Tensor, Any | None]:
         """A host tensor with ``t``'s dtype, shape and strides (``t`` dense and non-overlapping), and
         the arena block to hand to :meth:`free` (None without an arena)."""
-        if self.arena is not None and t.is_contiguous() and t.numel() > 0:
+        if self.arena is not None and not self._arena_full and t.is_contiguous() and t.numel() > 0:
             block = self.arena.alloc(t.numel() * t.element_size(), tag=tag)
             return block.tensor(t.dtype, tuple(t.shape)), block
         host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=self.pin)
         return host, None
 
     def reserve_own_arena(self, nbytes: int) -> None:
-        """Without an arena on CUDA, create one and page-lock ``nbytes`` up front at exact size (torch's
-        pinned pool rounds each buffer to a power of two: up to 2x the host memory). Failing that
-        (no CuPy, over the page-lock cap) keep torch's pinned memory, logged and recorded."""
-        if self.arena is not None or not self.pin or nbytes <= 0:
+        """Without an arena on CUDA, page-lock ``nbytes`` more at exact size in an arena of our own (torch's
+        pinned pool rounds each buffer to a power of two: up to 2x the host memory): the first call creates
+        it, later calls add a slab, so host copies can be reserved block by block as their pageable
+        originals are freed. Failing that (no CuPy, over the page-lock cap) the buffers not yet carved come
+        from torch's pinned memory, logged and recorded."""
+        if not self.pin or nbytes <= 0 or self._arena_full:
             return
+        if self.arena is not None and not self._own_arena:
+            return  # the caller's arena: it sized itself
         try:
-            from tidal_arena import ArenaConfig, PinnedArena
+            if self.arena is None:
+                from tidal_arena import ArenaConfig, PinnedArena
 
-            arena = PinnedArena(ArenaConfig(backend="cupy"))
-            arena.reserve(nbytes)
+                arena = PinnedArena(ArenaConfig(backend="cupy"))
+                arena.reserve(nbytes)
+                self.arena, self._own_arena = arena, True
+            else:
+                self.arena.reserve(nbytes)
         except Exception as e:  # any reason the arena cannot be had: stay on torch's pinned pool
             self.degraded.append(
                 f"no exact-size pinned arena ({type(e).__name__}: {e}); torch pinned memory used"
             )
             logger.warning("tidal-stream: %s", self.degraded[-1])
-            return
-        self.arena = arena
-        self._own_arena = True
+            self._arena_full = self.arena is not None  # what it holds stays; new buffers come from torch
 
     def free(self, handle: Any | None, after: StreamEvent | None = None) -> None:
         """Return one arena block once ``after`` (the last copy reading it) has completed."""
@@ -87,9 +95,9 @@ class HostBuffers:
         for block in self._blocks:
             self.free(block, after)
         self._blocks.clear()
-        if getattr(self, "_own_arena", False) and self.arena is not None:
+        if self._own_arena and self.arena is not None:
             if after is not None:
                 after.synchronize()  # the arena's memory goes away entirely: the last copy must be done
             self.arena.close()
             self.arena = None
-            self._own_arena = False
+            self._own_arena = self._arena_full = False

@@ -131,6 +131,7 @@ def main() -> None:
         "--breakdown", type=int, default=3, help="steps timed phase by phase after the timed steps"
     )
     ap.add_argument("--threads", type=int, default=0, help="wrap(threads=) for the host; 0: torch's default")
+    ap.add_argument("--verbose", action="store_true", help="wrap(verbose=True): print decisions as made")
     ap.add_argument("--profile", default="", help="write a Chrome trace of one step here")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
@@ -196,6 +197,8 @@ def main() -> None:
         wrap_opts["vram_budget"] = budget
     if args.threads:
         wrap_opts["threads"] = args.threads
+    if args.verbose:
+        wrap_opts["verbose"] = True
     t0 = time.perf_counter()
     model, opt = wrap(model, opt, **wrap_opts)
     wrap_s = time.perf_counter() - t0

@@ -470,21 +470,72 @@ def test_a_busy_block_called_with_another_shape_releases_after_its_backward():
     assert g0.fwd is None and bg.report()["cuda_graphs"]["eager_calls"] == 2
 
 
-def test_graphs_reserve_four_input_sized_buffers_per_resident_block():
-    inputs = [100, 200, 300, 400]
-    acts = types.SimpleNamespace(policies=["keep"] * 4, stats=lambda: {"block_input_bytes": inputs})
+def _reserve_session(inputs, blocks, streamed=(1,)):
+    acts = types.SimpleNamespace(policies=["keep"] * len(blocks), stats=lambda: {"block_input_bytes": inputs})
     ext = types.SimpleNamespace(
-        blocks=[None] * 4, weights=types.SimpleNamespace(streamed=[1]), activations=acts
+        blocks=blocks, weights=types.SimpleNamespace(streamed=list(streamed)), activations=acts
     )
     opts = types.SimpleNamespace(cuda_graphs="auto")
-    session = types.SimpleNamespace(extensions=[ext], options=opts, device=torch.device("cuda", 0))
+    return types.SimpleNamespace(extensions=[ext], options=opts, device=torch.device("cuda", 0)), ext
+
+
+def test_graphs_reserve_four_input_sized_buffers_per_resident_block():
+    blocks = [nn.Linear(4, 4).requires_grad_(False) for _ in range(4)]  # frozen: no gradient buffers
+    session, ext = _reserve_session([100, 200, 300, 400], blocks)
     assert graphs_reserve_bytes(session) == 4 * (100 + 300 + 400)  # block 1 streams: never graphed
-    opts.cuda_graphs = False
+    session.options.cuda_graphs = False
     assert graphs_reserve_bytes(session) == 0
-    opts.cuda_graphs, session.device = "auto", torch.device("cpu")
+    session.options.cuda_graphs, session.device = "auto", torch.device("cpu")
     assert graphs_reserve_bytes(session) == 0
     session.device, ext.activations = torch.device("cuda", 0), None
     assert graphs_reserve_bytes(session) == 0  # no input measured
+
+
+def test_graphs_reserve_the_trained_weights_gradients_of_the_blocks_that_will_be_graphed():
+    """Full fine-tuning: a graphed block's backward graph writes its weights' gradients into the graphs'
+    pool (on the GPU machine full1.5b's capture step added 2.2 GiB where 0.47 GiB had been reserved and
+    ran out of memory); a block whose optimizer stays on the host is not graphed, so nothing is reserved."""
+    blocks = [nn.Linear(8, 8) for _ in range(4)]  # trained: 8*8+8 fp32 parameters each
+    grads = (8 * 8 + 8) * 4
+    session, _ = _reserve_session([100, 200, 300, 400], blocks)
+    assert graphs_reserve_bytes(session) == 4 * (100 + 300 + 400) + 3 * grads
+    host = types.SimpleNamespace(param=blocks[3].weight)  # block 3's optimizer stays on the host
+    opt = types.SimpleNamespace(host_slots=lambda: [host])
+    assert graphs_reserve_bytes(session, opt) == 4 * (100 + 300) + 2 * grads
+
+
+def _refined_session(room, moved, kept, headroom, graphs):
+    from tidal_stream.session import Decision
+
+    data = dict(room=room, device_bytes=moved, activations_kept_bytes=kept, headroom=headroom)
+    refined = Decision("placement", "measured first step", {**data, "graphs_reserve_bytes": graphs})
+    session = types.SimpleNamespace(
+        options=types.SimpleNamespace(cuda_graphs="auto"), device=torch.device("cuda", 0), events=[refined]
+    )
+    session.record = lambda kind, message, **d: session.events.append(Decision(kind, message, d))
+    return session
+
+
+@pytest.mark.parametrize(
+    ("room", "moved", "graphs", "installed"),
+    [
+        (3.81, 3.14, 2.2, False),  # full1.5b at 24 GiB: the optimizer took the room (2.37 GiB headroom)
+        (3.81, 3.14, 0.47, True),  # the same with LoRA-sized buffers: within half the headroom
+        (9.42, 9.19, 1.34, True),  # lora110b on the whole device (13.88 GiB headroom)
+    ],
+)
+def test_graphs_are_installed_only_where_their_buffers_fit(monkeypatch, room, moved, graphs, installed):
+    """The graphs come after the refinement only when the step that captures them would leave half the
+    headroom under the budget (what the capture-step check asks afterwards)."""
+    gib = 2**30
+    headroom = (13.88 if room > 9 else 2.37) * gib
+    session = _refined_session(int(room * gib), int(moved * gib), 0, int(headroom), int(graphs * gib))
+    calls = []
+    monkeypatch.setattr(graph_fit, "install_block_graphs", lambda s, o: calls.append(s))
+    graph_fit.with_block_graphs(session, None, None)()
+    assert bool(calls) == installed
+    if not installed:
+        assert "no block is graphed: their buffers (2.20 GiB) exceed" in session.events[-1].message
 
 
 def _capture_check(monkeypatch, room, captured=True, was_over=False):

@@ -489,21 +489,32 @@ def _stack_extension(session: Any) -> Any:
     return next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
 
 
-def graphs_reserve_bytes(session: Any) -> int:
+def graphs_reserve_bytes(session: Any, opt: Any | None = None) -> int:
     """Device bytes the CUDA graphs of the resident blocks will add to a step, to leave out of the measured
-    refinement's room: each captured block keeps four buffers the size of its input in the graphs' pool
-    (static input and output, output gradient, input gradient; see [Note: graphs' memory] in
-    :mod:`tidal_stream.graph_fit`). Counted for every block that does not stream its weights, by its
-    input measured in the first step; 0 when no graph will be installed (``cuda_graphs=False``, not
-    CUDA) or no input was measured (no block offloads or recomputes)."""
+    refinement's room (see [Note: graphs' memory] in :mod:`tidal_stream.graph_fit`). Each captured block
+    keeps in the graphs' pool four buffers the size of its input (static input and output, output
+    gradient, input gradient) and the gradients of its trainable parameters, which its backward graph
+    writes before they are added to ``.grad`` (full fine-tuning: the block's weights again).
+
+    Counted for the blocks :func:`graphable_blocks` will graph given ``opt``'s placement (without ``opt``:
+    every block that does not stream its weights), inputs as measured in the first step; 0 when no graph
+    will be installed (``cuda_graphs=False``, not CUDA) or no input was measured (no block offloads or
+    recomputes)."""
     if session.options.cuda_graphs is False or session.device.type != "cuda":
         return 0
     ext = _stack_extension(session)
     if ext is None or ext.activations is None:
         return 0
     streamed = set(ext.weights.streamed) if ext.weights is not None else set()
+    graphed = set(graphable_blocks(session, opt)[0]) if opt is not None else None
     inputs = ext.activations.stats()["block_input_bytes"]
-    return sum(4 * n for i, n in enumerate(inputs) if i not in streamed)
+    total = 0
+    for i, n in enumerate(inputs):
+        if i in streamed or (graphed is not None and i not in graphed):
+            continue
+        grads = sum(p.numel() * p.element_size() for p in ext.blocks[i].parameters() if p.requires_grad)
+        total += 4 * n + grads
+    return total
 
 
 def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict[str, list[int]]]:

@@ -96,6 +96,28 @@ def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs, was_over: bo
     )
 
 
+def _no_room_for_graphs(session: Any) -> str | None:
+    """Why the graphs' buffers that the measured refinement counted cannot fit, or None when they can.
+
+    They fit when the step that captures them would still leave half the headroom under the budget, as
+    :func:`check_capture_step` asks afterwards: room left by the refinement (its room, less what it moved
+    to the device) + half the headroom >= the graphs' bytes. The refinement places the optimizer first
+    (worth more than the graphs' launch savings); full fine-tuning's graphs, which hold every graphed
+    block's weight gradients, may then not fit, and capturing them anyway ran out of memory."""
+    refined = [e for e in session.events if e.kind == "placement" and "graphs_reserve_bytes" in e.data]
+    if not refined:
+        return None
+    d = refined[-1].data
+    need = d["graphs_reserve_bytes"]
+    left = d["room"] - d["device_bytes"] - d["activations_kept_bytes"] + d["headroom"] // 2
+    if not need or need <= left:
+        return None
+    return (
+        f"their buffers ({need / 2**30:.2f} GiB) exceed what the measured refinement left under the budget "
+        f"({max(left, 0) / 2**30:.2f} GiB with half the headroom); the room went to the optimizer"
+    )
+
+
 def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
     """The optimizer's after-first-step callback: ``then`` (the measured refinement, if any), then CUDA
     graphs on the blocks that qualify (``cuda_graphs`` option; CUDA only), and after the step that
@@ -106,6 +128,10 @@ def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -
     def after() -> None:
         if then is not None:
             then()
+        short = _no_room_for_graphs(session)
+        if short:
+            session.record("graphs", f"no block is graphed: {short}")
+            return
         graphs = install_block_graphs(session, opt)
         if graphs is not None:
             was_over = _over(session, graphs)[0]  # the peak before any capture

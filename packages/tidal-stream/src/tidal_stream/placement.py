@@ -355,7 +355,7 @@ def refine_after_first_step(
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
     # CUDA graphs installed after this refinement hold buffers of their own (see graph_fit)
-    graphs = graphs_reserve_bytes(session)
+    graphs = graphs_reserve_bytes(session, opt)
     # a given plan's activation choices stand, as its streamed blocks do
     kept, kept_bytes = ([], 0) if keep_streamed else keep_activations(session, room - total - graphs)
     host_left = sum(s.param.numel() for s in opt.host_slots())
@@ -385,6 +385,7 @@ def refine_after_first_step(
         peak=peak_alloc,
         peak_reserved=used,
         room=room,
+        headroom=headroom,
         budget=budget,
         predicted_step_s=predicted[1] if predicted else None,
         device_bytes=total,

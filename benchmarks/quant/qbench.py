@@ -161,6 +161,23 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callabl
     return step
 
 
+def input_grad(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], object]:
+    """The same step without touching ``x.grad`` (``torch.autograd.grad``): what a CUDA graph can capture
+    (nothing accumulates across replays)."""
+    return lambda: torch.autograd.grad(layer(x), x, g)
+
+
+def step_graph_ms(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> float:
+    """Device ms of one forward + input-gradient step replayed from a CUDA graph (:func:`graph_ms`), as
+    tidal runs resident blocks in training; NaN when the layer cannot be captured."""
+    try:
+        return graph_ms(input_grad(layer, x, g))
+    except RuntimeError as e:  # a peer's kernels may not be capturable: reported, not fatal
+        print(f"(graph capture of {type(layer).__name__} failed: {str(e).splitlines()[0]})")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
 def check_layer(kind: str, layer: torch.nn.Module, ref: torch.nn.Module, x: torch.Tensor) -> float:
     """SQNR (dB) of ``layer``'s output against the bf16 reference; raises if under the format's floor."""
     with torch.no_grad():
@@ -188,7 +205,8 @@ def forward_path(layer: torch.nn.Module, x: torch.Tensor) -> str:
 
 def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[str, float | str]:
     """Forward + input-gradient milliseconds per layer kind at one shape (bf16 reference included):
-    ``"<kind>"`` one synchronized step at a time, ``"<kind>:b2b"`` per step over back-to-back steps.
+    ``"<kind>"`` one synchronized step at a time, ``"<kind>:b2b"`` per step over back-to-back steps,
+    ``"<kind>:graph"`` device time per step replayed from a CUDA graph (no host cost).
 
     Also ``"<kind>:path"``: the forward compute path tidal chose for that kind.
     """
@@ -199,12 +217,14 @@ def linear_case(in_f: int, out_f: int, tokens: int, kinds: list[str]) -> dict[st
     ref = make_layer("bf16", in_f, out_f, weight)
     step = fwd_bwd(ref, x, g)
     out: dict[str, float | str] = {"bf16": cuda_ms(step), "bf16:b2b": cuda_ms_pipelined(step, reps=20)}
+    out["bf16:graph"] = step_graph_ms(ref, x, g)
     for kind in kinds:
         layer = make_layer(kind, in_f, out_f, weight)
         check_layer(kind, layer, ref, x.detach())
         step = fwd_bwd(layer, x, g)
         out[kind] = cuda_ms(step)
         out[f"{kind}:b2b"] = cuda_ms_pipelined(step, reps=20)
+        out[f"{kind}:graph"] = step_graph_ms(layer, x, g)
         out[f"{kind}:path"] = forward_path(layer, x.detach())
         del layer
     return out

@@ -7,7 +7,8 @@
 2. Forward + input gradient of one frozen layer at 5120→13824, 13824→5120, 5120→5120 with 512 and
    2048 tokens: bf16 ``nn.Linear``, tidal nf4 / fp8 / fp8-bwd8 (input gradient on FP8 tensor cores
    too) / int8 / nvfp4 and bitsandbytes ``Linear4bit`` (when importable), as milliseconds and ratios
-   (goals: nf4 ≤ 0.8× bitsandbytes, fp8 ≤ 0.75× bf16 at 2048 tokens), each goal's verdict last.
+   (goals: nf4 ≤ 0.8× bitsandbytes, fp8 ≤ 0.75× bf16 at 2048 tokens), timed three ways: one synchronized
+   step, back-to-back steps and steps replayed from a CUDA graph; each goal's verdict after each table.
 3. Small token counts (decode-like forward only, nf4 unless ``--decode-formats`` says otherwise) and
    which kernel tidal picked per shape.
 With ``--stages``: the per-stage device / host time of 5120→5120 at 2048 tokens (profile_stages.py).
@@ -69,9 +70,10 @@ def _verdict(ratios: list[float], goal: float) -> str:
 
 
 def linear_tables(kinds: list[str]) -> list[str]:
-    """Two tables from one set of layers: each step timed alone (synchronized before and after, so the
-    host's issue time counts in full) and steps back-to-back (the host queues the next step while the
-    device runs, as across a model's layers), then each goal's verdict in both."""
+    """Three tables from one set of layers: each step timed alone (synchronized before and after, so the
+    host's issue time counts in full), steps back-to-back (the host queues the next step while the
+    device runs, as across a model's layers) and steps replayed from a CUDA graph (the device's time
+    alone, as in tidal's graphed blocks), then each goal's verdict in each."""
     has_bnb = "bnb-nf4" in kinds
     results = []
     for in_f, out_f in qbench.LINEAR_SHAPES:
@@ -79,7 +81,12 @@ def linear_tables(kinds: list[str]) -> list[str]:
             results.append((in_f, out_f, tokens, qbench.linear_case(in_f, out_f, tokens, kinds)))
             torch.cuda.empty_cache()
     rows: list[str] = []
-    for mode, suffix in (("one step at a time (synchronized)", ""), ("back-to-back steps", ":b2b")):
+    modes = (
+        ("one step at a time (synchronized)", ""),
+        ("back-to-back steps", ":b2b"),
+        ("device time, 10 steps replayed from one CUDA graph (as tidal runs resident blocks)", ":graph"),
+    )
+    for mode, suffix in modes:
         head = "| shape | tokens | bf16 ms | " + " | ".join(f"{k} ms (×bf16)" for k in kinds)
         head += " | nf4 / bnb |" if has_bnb else " |"
         title = f"Forward + input gradient, frozen weight, {mode} (ms; ratio to bf16, tidal's forward path)"

@@ -121,12 +121,13 @@ def test_fp8_dequantize_every_code_bit_exact():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_row_quantization_bit_exact(dtype):
+@pytest.mark.parametrize("width", [5000, 13824, 20000])  # one 8192 tile; one 16384 tile; two passes
+def test_fp8_row_quantization_bit_exact(dtype, width):
     from tidal_quant import _triton
 
-    x = (torch.randn(64, 5000) * 3).to("cuda", dtype)
+    x = (torch.randn(64, width) * 3).to("cuda", dtype)
     x[5] = 0.0
-    c = torch.rand(5000, device="cuda")
+    c = torch.rand(width, device="cuda")
     for cs in (None, c):
         q, s = _triton.quantize_rows_fp8(x, cs)
         rq, rs = tq.reference.quantize_rows_fp8(x.float().cpu() if cs is None else x.float().cpu() * cs.cpu())

@@ -94,6 +94,25 @@ def test_part2_option_without_installer():
         wrap(make_model(), None, param_offload=True)
 
 
+def test_threads_reach_the_host_optimizers_worker_thread():
+    """``threads=`` sets the host updates' intra-op threads on the worker thread that runs them: OpenMP's
+    count is per calling thread, so setting it on the main thread alone left the worker on every core."""
+    import threading
+
+    fresh: list[int] = []  # what a new thread gets by default (torch's default: the physical cores)
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    asked = fresh[0] + 1  # differs from the default whatever the machine
+    m, opt = wrap(make_model(), offload=True, lr=1e-3, threads=asked)
+    seen: list[int] = []
+    opt._worker.submit(lambda: seen.append(torch.get_num_threads()))
+    opt._worker.join()
+    assert seen == [asked] and torch.get_num_threads() == asked
+    assert any(e["kind"] == "threads" and "worker" in e["message"] for e in memory_report(m)["events"])
+    unwrap(m)
+
+
 def test_adam_with_l2_and_migrated_state():
     """torch.optim.Adam (L2 weight decay) with 3 steps of existing state, continued by OffloadAdamW."""
     ref = make_model()

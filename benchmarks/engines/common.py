@@ -464,11 +464,40 @@ class Timing:
     peak_reserved: list[int] = dataclasses.field(default_factory=list)
     """CUDA: the allocator's peak of reserved bytes so far, read at the end of each step (never reset: an
     engine may read the peaks itself), so the step that raised the run's peak shows."""
+    gc_s: list[float] = dataclasses.field(default_factory=list)
+    """Seconds each step spent in Python's cyclic garbage collector (on any thread)."""
+    gc_full: list[int] = dataclasses.field(default_factory=list)
+    """Full (generation 2) collections during each step: the ones that walk every tracked object."""
 
     def median(self, warmup: int) -> float | None:
         """Median step time after ``warmup`` steps (None before any timed step)."""
         timed = self.times[warmup:]
         return statistics.median(timed) if timed else None
+
+
+class GcClock:
+    """Time spent in Python's garbage collector, read through ``gc.callbacks`` (a step that is slow once in
+    a while may be one that ran a full collection over the process's objects)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._started: dict[int, float] = {}  # thread id -> start of its running collection
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now, me = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._started[me] = now
+            self.full += info["generation"] == 2
+        elif me in self._started:
+            self.seconds += now - self._started.pop(me)
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def sync(device: torch.device) -> None:
@@ -494,9 +523,12 @@ def run_steps(
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
-        loss = float(step())
-        sync(device)
+        with GcClock() as collected:
+            loss = float(step())
+            sync(device)
         dt = time.perf_counter() - t0
+        timing.gc_s.append(collected.seconds)
+        timing.gc_full.append(collected.full)
         if loss != loss or loss in (float("inf"), float("-inf")):
             raise FloatingPointError(f"step {i}: loss is {loss}")
         timing.times.append(dt)

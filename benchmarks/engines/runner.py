@@ -121,6 +121,8 @@ def run_engine(
     rec["wall_s"] = time.perf_counter() - t_start
     rec["step_times"] = timing.times
     rec["losses"] = timing.losses
+    rec["gc_s"] = timing.gc_s  # per step: seconds in the garbage collector, and its full collections
+    rec["gc_full_collections"] = timing.gc_full
     med = timing.median(warmup)
     rec["step_s"] = med if rec["outcome"] == "ok" else None
     rec["tokens_per_s"] = scenario.tokens_per_step / med if med and rec["outcome"] == "ok" else None

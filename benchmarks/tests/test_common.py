@@ -137,6 +137,28 @@ def test_run_steps_times_every_step_and_rejects_nan() -> None:
         )
 
 
+def test_run_steps_counts_the_garbage_collectors_time_per_step() -> None:
+    """A step that runs a full collection shows it (the lead on lora14b's one slow step in five)."""
+    import gc
+
+    def step(full: bool) -> float:
+        if full:
+            gc.collect(2)
+        return 1.0
+
+    plan = iter([False, True, False])
+    t = run_steps(
+        lambda: step(next(plan)),
+        warmup=0,
+        steps=3,
+        device=torch.device("cpu"),
+        progress=lambda e: None,
+        timing=Timing(),
+    )
+    assert t.gc_full[1] >= 1 and t.gc_s[1] > 0  # the step that collected
+    assert len(t.gc_full) == len(t.gc_s) == 3
+
+
 @pytest.mark.gpu
 def test_run_steps_reads_the_reserved_peak_after_every_step() -> None:
     """The peak so far after each step: the step holding the most lifts it, the later ones keep it."""

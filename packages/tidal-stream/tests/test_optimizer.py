@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -779,3 +780,62 @@ def test_plan_counts_the_host_bytes_the_optimizer_reserves(dtype, moment_dtype):
     pinned, pageable = host_slot_bytes(ctx, moment_dtype)
     assert host["host_bytes"] == (pinned + pageable) * n
     opt.close()
+
+
+def _held_step(opt, model, step: int, gate: threading.Event) -> None:
+    """One step whose host jobs all wait behind ``gate``: every update is still pending at ``step()``."""
+    opt._worker.put(gate.wait)
+    loss_fn(model, step).backward()
+    opt.step()
+
+
+def test_updates_still_pending_at_step_run_in_parameter_order(monkeypatch):
+    """Gradients land in backward's order (last block first); the updates not yet run when ``step()`` is
+    called then run in parameter order, so the next forward waits for its first blocks' updates only."""
+    from tidal_stream import OffloadAdamW
+
+    def order_of_updates(reorder: bool) -> list[int]:
+        model = make_model()
+        opt = OffloadAdamW(model.parameters(), lr=1e-2)
+        opt.install_read_guards(model)
+        if not reorder:
+            monkeypatch.setattr(opt._worker, "reorder", lambda: 0)
+        ran: list[int] = []
+        real = opt._update_now
+        monkeypatch.setattr(opt, "_update_now", lambda s, *a, **k: (ran.append(s.index), real(s, *a, **k)))
+        gate = threading.Event()
+        _held_step(opt, model, 0, gate)
+        gate.set()
+        opt.synchronize()
+        return ran
+
+    landing = order_of_updates(reorder=False)
+    assert len(landing) > 2 and landing != sorted(landing)  # backward lands the last blocks first
+    assert order_of_updates(reorder=True) == sorted(landing)
+
+
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_update_order_does_not_change_the_bits(monkeypatch, moment_dtype):
+    """bf16 moments round stochastically: each host update seeds its noise from the parameter and its step
+    count, so running the updates in parameter order (pending at ``step()``) or in landing order gives the
+    same weights and state, bit for bit."""
+    from tidal_stream import OffloadAdamW
+
+    def run(reorder: bool) -> tuple[dict, list[torch.Tensor]]:
+        model = make_model()
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, moment_dtype=moment_dtype)
+        opt.install_read_guards(model)
+        if not reorder:
+            monkeypatch.setattr(opt._worker, "reorder", lambda: 0)
+        for step in range(3):
+            gate = threading.Event()
+            _held_step(opt, model, step, gate)
+            gate.set()
+            opt.zero_grad()
+        opt.synchronize()
+        return _opt_state(opt), [p.detach().clone() for p in model.parameters()]
+
+    state_a, weights_a = run(reorder=True)
+    state_b, weights_b = run(reorder=False)
+    _assert_same(state_a, state_b)
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))

@@ -191,6 +191,7 @@ class OffloadAdamW(
         self._inflight_bytes = 0
         self.max_inflight_grad_bytes = _INFLIGHT_FLOOR
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._host_rng = torch.Generator()  # the host updates' stochastic rounding, seeded per update
         # weights read outside their module's forward (a loss reading lm_head.weight directly): every guard
         # and the root module's pre-hook wait for their updates
         self._unguarded: dict[int, _Slot] = {}
@@ -261,6 +262,15 @@ class OffloadAdamW(
             self._generators[device] = g
         return g
 
+    def _update_generator(self, s: _Slot) -> torch.Generator:
+        """The stochastic-rounding generator of ``s``'s host update, seeded from the optimizer's seed, the
+        parameter and its step count alone: the bits do not depend on the order in which the worker runs
+        the updates (see [Note: update order]), and a retried or resumed step draws the same numbers."""
+        step = int(s.step.item())  # the count before this update (a rollback restores it)
+        mixed = self._seed * 0x9E3779B97F4A7C15 + s.index * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
+        self._host_rng.manual_seed(mixed & (2**63 - 1))
+        return self._host_rng
+
     def _release_waiters(self) -> None:
         for s in self._slots.values():
             s.ready.set()
@@ -316,10 +326,12 @@ class OffloadAdamW(
             last,
             hyper,
             self._gen,
+            order=s.index if now else None,  # step() runs the ones still pending in parameter order
         )
 
-    def _submit(self, s: _Slot, updates: bool, fn: Any, *args: Any) -> None:
+    def _submit(self, s: _Slot, updates: bool, fn: Any, *args: Any, order: int | None = None) -> None:
         """Queue a worker job; ``updates``: it updates ``s``, whose readers wait until it is done.
+        ``order``: the job may run in that order among the step's other such jobs (``HostWorker.reorder``).
 
         A job queued after a failure is skipped and the worker releases every waiter then, so a reader
         never waits for an update that will not run; the failure surfaces at the next check.
@@ -327,7 +339,7 @@ class OffloadAdamW(
         self._surface_failure()
         if updates:
             s.ready.clear()
-        self._worker.put(fn, *args)
+        self._worker.put(fn, *args, order=order)
 
     def _hold_until_landed(self, landed: StreamEvent, src: torch.Tensor, nbytes: int) -> None:
         """Keep the device gradient alive until its D2H copy is done, then let the allocator reuse it.
@@ -396,8 +408,14 @@ class OffloadAdamW(
             if s.h2d_event is not None:
                 s.h2d_event.synchronize()  # why: the previous copy back reads staging; don't overwrite it
             undo = self._journal(s, gen)  # the update copies the old state there, chunk by chunk
-            # narrowed during the update when the weight goes back right after it
-            narrow = not self.delayed_update and s.host_weight is None and s.staging is not s.master
+            # narrowed during the update when the weight goes back right after it: into the staging
+            # buffer, or straight into a streamed weight's host copy once backward's last read of the
+            # device weight is done (the refills that read the host copy wait for this update)
+            if s.host_weight is not None:
+                narrow = not self.delayed_update and (s.consumed is None or s.consumed.query())
+            else:
+                narrow = not self.delayed_update and s.staging is not s.master
+            target = s.host_weight if s.host_weight is not None else s.staging
             t0 = time.perf_counter()
             adam_update(
                 s.master,
@@ -406,12 +424,12 @@ class OffloadAdamW(
                 s.exp_avg_sq,
                 s.step,
                 hyper,
-                self._generator(torch.device("cpu")),
+                self._update_generator(s),
                 undo=undo,
                 landing=None if land is None else s.landing,
                 accumulate=bool(land),
                 grad_scale=coef,
-                narrow_to=s.staging if narrow else None,
+                narrow_to=target if narrow else None,
             )
             self._host_update_s += time.perf_counter() - t0
             self._host_updates += 1
@@ -427,9 +445,10 @@ class OffloadAdamW(
         with record_function("tidal::weight_h2d"):
             if s.host_weight is not None:
                 # a streamed weight: the next refill carries the host copy to the device
-                if after is not None:
-                    after.synchronize()  # why: a refill issued before `after` may still read the host copy
-                s.host_weight.copy_(s.master)
+                if not narrowed:
+                    if after is not None:
+                        after.synchronize()  # why: a refill issued before `after` may still read the host copy
+                    s.host_weight.copy_(s.master)
                 s.ready.set()
                 return
             if s.staging is not s.master and not narrowed:
@@ -480,6 +499,13 @@ class OffloadAdamW(
                         hyper,
                         self._gen,
                     )
+            else:
+                # [Note: update order] each update was queued as its gradient landed, in backward's
+                # order (last block first), but the next forward reads the first blocks first: the
+                # updates still pending run in parameter order instead, so the next forward starts
+                # after the first blocks' updates rather than after all of them (full8b on one GPU: the
+                # host updates take five times the backward, so most are still pending here)
+                self._worker.reorder()
             self._landed = []
             self._device_update(coef)
             self._gen += 1  # this step's updates are all queued: later undo copies belong to the next

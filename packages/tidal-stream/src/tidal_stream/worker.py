@@ -37,7 +37,8 @@ class HostWorker:
     def __init__(
         self, device: torch.device, on_error: Callable[[], None], threads: int | None = None
     ) -> None:
-        self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue()
+        # (job, its arguments, its order key or None); None stops the thread
+        self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...], int | None] | None] = queue.Queue()
         if device.type == "cuda" and device.index is None:
             # "cuda" means the caller's current device; the thread's own current device is always 0
             device = torch.device("cuda", torch.cuda.current_device())
@@ -61,7 +62,7 @@ class HostWorker:
                 if item is None:
                     return
                 if self.error is None:
-                    fn, args = item
+                    fn, args, _ = item
                     fn(*args)
                 else:
                     self._on_error()  # a skipped job: release what its waiters wait for (never hang)
@@ -73,14 +74,38 @@ class HostWorker:
                 item = fn = args = None  # drop the job's references now, not at the next job
                 self._q.task_done()
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(*args)``."""
+    def submit(self, fn: Callable[..., None], *args: Any, order: int | None = None) -> None:
+        """Queue ``fn(*args)``; ``order``: see :meth:`reorder`."""
         self.check()
-        self._q.put((fn, args))
+        self._q.put((fn, args, order))
 
-    def put(self, fn: Callable[..., None], *args: Any) -> None:
+    def put(self, fn: Callable[..., None], *args: Any, order: int | None = None) -> None:
         """Queue ``fn(*args)`` without checking for an earlier failure (skipped if there was one)."""
-        self._q.put((fn, args))
+        self._q.put((fn, args, order))
+
+    def reorder(self) -> int:
+        """Let the pending jobs queued with an ``order`` run by that key instead of in submission order.
+
+        Only within each run of such jobs: a job queued without one keeps its place and every job on its
+        side (the optimizer reorders a step's updates, one per parameter, and nothing that must follow or
+        precede them). Returns how many jobs changed place.
+        """
+        q = self._q
+        with q.mutex:  # queue.Queue's own lock over its deque: no job is taken while they are rearranged
+            pending = list(q.queue)
+            out: list[Any] = []
+            run: list[Any] = []
+            for item in pending:
+                if item is not None and item[2] is not None:
+                    run.append(item)
+                    continue
+                out += sorted(run, key=lambda job: job[2])  # stable: equal keys keep their order
+                run = []
+                out.append(item)
+            out += sorted(run, key=lambda job: job[2])
+            q.queue.clear()
+            q.queue.extend(out)
+        return sum(a is not b for a, b in zip(pending, out))
 
     def join(self) -> None:
         """Block until every queued job has run; re-raise a job's failure."""

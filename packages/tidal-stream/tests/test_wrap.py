@@ -95,8 +95,8 @@ def test_part2_option_without_installer():
 
 
 def test_threads_reach_the_host_optimizers_worker_thread():
-    """``threads=`` sets the host updates' intra-op threads on the worker thread that runs them: OpenMP's
-    count is per calling thread, so setting it on the main thread alone left the worker on every core."""
+    """``threads=`` is the intra-op thread count the host updates run with, on the worker thread that runs
+    them (a thread started after ``torch.set_num_threads`` takes the process-wide count)."""
     import threading
 
     fresh: list[int] = []  # what a new thread gets by default (torch's default: the physical cores)
@@ -109,7 +109,7 @@ def test_threads_reach_the_host_optimizers_worker_thread():
     opt._worker.submit(lambda: seen.append(torch.get_num_threads()))
     opt._worker.join()
     assert seen == [asked] and torch.get_num_threads() == asked
-    assert any(e["kind"] == "threads" and "worker" in e["message"] for e in memory_report(m)["events"])
+    assert any(e["kind"] == "threads" for e in memory_report(m)["events"])
     unwrap(m)
 
 

@@ -218,7 +218,7 @@ class OffloadAdamW(
         self.max_inflight_grad_bytes = max(_INFLIGHT_FLOOR, 2 * largest)
         from tidal_stream.worker import HostWorker
 
-        self._worker = HostWorker(session.device, self._release_waiters, session.options.threads)
+        self._worker = HostWorker(session.device, self._release_waiters)
         self._handles = [
             s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self._slots.values()
         ]

@@ -109,8 +109,8 @@ class WrapOptions:
     device: torch.device | str | None = None
     """Device the model trains on; None: the device of the model's first parameter."""
     threads: int | None = None
-    """Host threads: the host optimizer's worker thread runs its updates on this many intra-op threads, and
-    the process's own setting (``torch.set_num_threads``) becomes it too; None: torch's default (every core)."""
+    """Host threads (``torch.set_num_threads``, process-wide: the host optimizer's worker thread runs its
+    updates on as many); None: leave torch's setting."""
     verbose: bool = False
     """Print each decision as it is made (it is always logged and recorded in the decision log)."""
     accumulation_steps: int = 1

@@ -193,7 +193,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._early: set[int] = set()
         self.last_early_updates = 0  # segments of the last update that ran during backward
         self._update_s = 0.0
-        self._worker = HostWorker(session.device, lambda: None, session.options.threads)
+        self._worker = HostWorker(session.device, lambda: None)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         session.record(
             "distributed",

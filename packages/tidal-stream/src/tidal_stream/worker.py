@@ -30,13 +30,9 @@ class HostWorker:
     Args:
         device: the training device (the thread makes it current, so CUDA work it issues lands there).
         on_error: called on the worker thread after the first failure and after each skipped job.
-        threads: intra-op threads of the jobs (``torch.set_num_threads`` on this thread); None: torch's
-            default for a new thread (every core).
     """
 
-    def __init__(
-        self, device: torch.device, on_error: Callable[[], None], threads: int | None = None
-    ) -> None:
+    def __init__(self, device: torch.device, on_error: Callable[[], None]) -> None:
         # (job, its arguments, its order key or None); None stops the thread
         self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...], int | None] | None] = queue.Queue()
         if device.type == "cuda" and device.index is None:
@@ -44,7 +40,6 @@ class HostWorker:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self._on_error = on_error
-        self._threads = threads
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tidal-host-adam", daemon=True)
         self._thread.start()
@@ -52,9 +47,6 @@ class HostWorker:
     def _run(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-        if self._threads is not None:
-            # OpenMP's thread count is per calling thread: the main thread's setting does not reach this one
-            torch.set_num_threads(self._threads)
         fn = args = None
         while True:
             item = self._q.get()

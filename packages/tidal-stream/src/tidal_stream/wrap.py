@@ -105,10 +105,7 @@ def _setup_training(
     (each once, in group order). Raises when nothing is trainable."""
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
-        session.record(
-            "threads",
-            f"host threads set to {opts.threads} (torch.set_num_threads, here and in the host optimizer's worker)",
-        )
+        session.record("threads", f"host threads set to {opts.threads} (torch.set_num_threads)")
     groups, decoupled = _hyper_from(optimizer, opts)
     if not groups:
         groups = [{"params": list(model.parameters())}]  # as torch.optim.AdamW(model.parameters())

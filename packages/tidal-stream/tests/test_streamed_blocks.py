@@ -437,7 +437,7 @@ def test_host_copies_are_page_locked_block_by_block(monkeypatch):
     them beside one up-front reservation of every streamed block (the CPU stands in: a pageable arena
     serves the requests)."""
     import tidal_arena
-    from tidal_stream._block_adoption import BlockAdoption, _aligned
+    from tidal_stream._block_adoption import BlockAdoption
     from tidal_stream._host_buffers import HostBuffers
 
     events: list[tuple[str, object]] = []
@@ -465,7 +465,7 @@ def test_host_copies_are_page_locked_block_by_block(monkeypatch):
     expected: list[tuple[str, object]] = []
     for i, layer in enumerate(model.layers):
         tensors = [*layer.parameters(), *layer.buffers()]
-        expected.append(("reserve", sum(_aligned(s.nbytes) for s in blocks[i].slots)))
+        expected.append(("reserve", sum(-(-s.nbytes // 512) * 512 for s in blocks[i].slots)))  # arena-aligned
         expected += [("copy", f"block{i}")] * len(tensors)
     assert events == expected
     assert host._own_arena and host.arena.stats().slabs == len(model.layers)

@@ -502,9 +502,9 @@ class OffloadAdamW(
             else:
                 # [Note: update order] each update was queued as its gradient landed, in backward's
                 # order (last block first), but the next forward reads the first blocks first: the
-                # updates still pending run in parameter order instead, so the next forward starts
-                # after the first blocks' updates rather than after all of them (full8b on one GPU: the
-                # host updates take five times the backward, so most are still pending here)
+                # updates still pending run in parameter order instead, so the next forward can start
+                # after the first blocks' updates rather than after all of them (full8b on one GPU:
+                # most are still pending here; its step stayed bound by the host updates themselves)
                 self._worker.reorder()
             self._landed = []
             self._device_update(coef)

@@ -13,6 +13,8 @@
 #   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
 #   bash tools/gpu-bench.sh dp72b     # two GPUs: lora72b at 80 GiB per GPU, one host copy, peer pooling off (~6-9 min: rank 0 builds 135 GiB)
 #   bash tools/gpu-bench.sh dp72b-pool  # the same with peer pooling auto
+#   bash tools/gpu-bench.sh big1      # the two-GPU machine (its 256 GiB host), one GPU visible: lora110b without a budget, lora72b at 80 GiB (~9 min)
+#   bash tools/gpu-bench.sh overlap   # weight streaming where compute covers the transfer: 16k and 32k tokens (~2 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
@@ -86,6 +88,16 @@ case "${1:-}" in
     [ "$1" = dp72b-pool ] && pooling=auto
     step 560 dp72b.log -- python3 benchmarks/distributed/scaling.py --scenario lora72b --worlds 2 --placeholders --steps 3 --warmup 1 --peer-pooling "$pooling" --json "$out/dp-lora72b-$pooling.json"
     ;;
+  big1)
+    # one GPU: the harness builds the model in host memory (lora110b: 207 GiB), which only the two-GPU
+    # machine's host holds; a host-RAM refusal is followed by one wrap counting the model's own bytes
+    step 330 big1.log -- env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/compare.py --scenario lora110b --warmup 1 --steps 3 --engines tidal-bf16 --timeout 320 --out "$out/compare-lora110b.jsonl"
+    step 240 big1.log -- env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/compare.py --scenario lora72b --vram-gb 80 --warmup 1 --steps 4 --engines tidal-bf16 --timeout 230 --out "$out/compare-lora72b-80g.jsonl"
+    ;;
+  overlap)
+    # the overlap score's acceptance range is compute >= transfer: 8,192 tokens at H = 4096 was not there
+    step 150 overlap.log -- python3 benchmarks/stream/streaming.py --hidden 4096 8192 --tokens 16384 32768 --prefetch 1 2 --out "$out/streaming-overlap.json"
+    ;;
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
     ;;
@@ -97,7 +109,7 @@ case "${1:-}" in
     step 540 micro.log -- python3 -m pytest -p tidal_testing.plugin benchmarks --benchmark-only -q --benchmark-json="$out/micro-h200.json"
     ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,23p' "$0"
     exit 2
     ;;
 esac

@@ -65,19 +65,19 @@ class OffloadStateMixin:
 
     # ------------------------------------------------------------------ step journal
     def _journal(self, s: Any, gen: int) -> UndoCopy | None:
-        """Before ``s``'s update of generation ``gen``: keep its step count (and the rounding generator's
-        state) and return the undo buffers the update copies the master and moments into, or None."""
+        """Before ``s``'s update of generation ``gen``: keep its step count and return the undo buffers the
+        update copies the master and moments into, or None. (Its rounding noise needs no saved generator
+        state: it is seeded from the step count, which the undo restores; see ``_update_generator``.)"""
         if s.undo is None or s.undo_gen == gen:
             return None
-        self._save_rng(torch.device("cpu"), gen)
         s.undo_step.copy_(s.step)
         s.undo.copied = 0
         s.undo_gen = gen  # set before the update: a failure part-way restores the chunks it reached
         return s.undo
 
     def _save_rng(self, device: torch.device, gen: int) -> None:
-        """Keep the stochastic-rounding generator's state from before generation ``gen``'s first update
-        (so a retried step draws the same numbers); fp32 moments draw none."""
+        """Keep the device update's stochastic-rounding generator state from before generation ``gen``'s
+        first update (so a retried step draws the same numbers); fp32 moments draw none."""
         if not self.rollback or self.moment_dtype == torch.float32:
             return
         saved = self._rng_undo.get(device)

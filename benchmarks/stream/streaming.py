@@ -9,7 +9,9 @@ volume of a transformer block's MLP) are built on the device (random weights, ``
 token count T (one batch of T tokens):
 
 - ``t_resident``: median forward time with every block in VRAM;
-- ``t_streamed``: median forward time with every block streamed by ``StreamedBlocks`` (prefetch k);
+- ``t_streamed``: median forward time with every block streamed by ``StreamedBlocks`` (prefetch k), in a
+  loop of forwards as inference runs them: with ``hold_turns`` each forward's last blocks prefetch the
+  next one's first, so the copies of every block (the next forward's first included) overlap compute;
 - ``t_h2d``: median time to copy all blocks' weights host -> device back to back (no compute);
 - ``GB/s``: bytes streamed / ``t_streamed`` (sustained rate of the streamed forward) and the copy
   engine's own rate over the H2D stream's copies (``StreamedBlocks.stats()["h2d_gbps"]``);
@@ -75,7 +77,9 @@ def run_hidden(
     resident = {t: median_time(lambda t=t: forward(blocks, xs[t]), device, args.reps) for t in tokens}
     expect = {t: forward(blocks, xs[t]) for t in tokens}
     rows = []
-    sb = StreamedBlocks(blocks, device, prefetch_ahead=prefetch[0])
+    # frozen inference blocks: each forward's last blocks prefetch the next forward's first (hold_turns)
+    blocks.requires_grad_(False)
+    sb = StreamedBlocks(blocks, device, prefetch_ahead=prefetch[0], hold_turns=True)
     total = sum(sb.block_bytes())
 
     def copy_all() -> None:

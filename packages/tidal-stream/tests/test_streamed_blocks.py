@@ -169,13 +169,52 @@ def test_turn_holds_keep_one_window_over_each_turn_of_frozen_blocks(k):
     st = sb.stats()
     assert st["fetches"] == 5 + 9 * (5 - w)  # the first forward fills every block
     assert st["turn_holds"] == 5 * 2 * w and max(sizes) == w == st["resident_peak_blocks"]
-    with torch.no_grad():  # an evaluation forward starts with the held blocks and keeps none
+    with torch.no_grad():  # an evaluation forward starts with the held blocks, ends prefetching k of them
         x = torch.randn(2, 6, 32)
         torch.manual_seed(7)  # the blocks' dropout draws the same masks
         loss = model(x)
         torch.manual_seed(7)
         assert_bitwise_equal(loss, ref(x), "eval loss")
-    assert sb.resident() == () and sb.stats()["fetches"] == st["fetches"] + 5 - w
+    assert sb.resident() == tuple(range(k)) and sb.stats()["fetches"] == st["fetches"] + 5 - w + k
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_forwards_without_autograd_prefetch_the_next_ones_head(k):
+    """A loop of no-grad forwards over frozen blocks (evaluation, decode steps): each forward's last
+    blocks prefetch the next one's first k, so only the very first block is fetched on demand; outputs
+    bit-identical, never more than k + 1 blocks resident."""
+    ref, model = _frozen_pair()
+    sizes = []
+    sb = StreamedBlocks(
+        model.layers,
+        "cpu",
+        prefetch_ahead=k,
+        hold_turns=True,
+        observer=lambda e: sizes.append(len(e.resident)),
+    )
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(step))
+            torch.manual_seed(step)
+            got = model(x)
+            torch.manual_seed(step)
+            assert_bitwise_equal(got, ref(x), f"forward {step}")
+            assert sb.resident() == tuple(range(k))
+    st = sb.stats()
+    assert st["demand_fetches"] == 1 and st["fetches"] == 3 * 5 + k
+    assert max(sizes) == k + 1 == st["resident_peak_blocks"]
+    model(torch.randn(2, 6, 32)).backward()  # a training step after them starts with the same head
+    assert sb.stats()["demand_fetches"] == 1
+
+
+def test_trained_blocks_are_not_prefetched_across_forwards():
+    """Blocks that require grad may be rewritten by an optimizer between forwards: never held over."""
+    _, model = make(torch.float32, "cpu")
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, hold_turns=True)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(2, 6, 32))
+    assert sb.resident() == () and sb.stats()["demand_fetches"] == 2
 
 
 def test_a_forward_without_its_backward_gives_up_its_holds_at_the_next_forward():

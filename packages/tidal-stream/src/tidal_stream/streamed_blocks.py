@@ -16,7 +16,9 @@ builds a graph stay for its backward; after the backward, the first streamed blo
 tensors (whose host copies no optimizer rewrites) stay for the next forward. Both sets are one window
 (:func:`~tidal_stream._stream_slots.window_of`), so the bound on resident blocks holds; a held block that
 the next forward does not start with (a forward without its backward, a changed set of streamed blocks)
-is released when that forward begins.
+is released when that forward begins. A forward without autograd (evaluation, a decode step) turns
+straight into the next forward: its last blocks prefetch that head, so a loop of such forwards never
+waits for its first block's copy.
 
 [Note: storage handling] As FSDP2 reshards: the ``Parameter`` objects (and buffer tensors) stay put;
 releasing resizes their device storage to 0 bytes, refilling resizes it back and copies the host copy in
@@ -88,7 +90,8 @@ class StreamedBlocks:
             place as its own host copy (no private copy), e.g. a view of the machine-wide shared mapping
             of :mod:`tidal_stream.shared_host`; it must stay valid and unchanged while streamed (and be
             page-locked on CUDA, e.g. ``cudaHostRegister``, or the H2D copies from it are synchronous).
-        hold_turns: Keep the window's blocks over the turns of a training step (see [Note: turn holds]).
+        hold_turns: Keep the window's blocks over the turns of a training step, and prefetch the next
+            forward's first frozen blocks at the end of a forward without autograd (see [Note: turn holds]).
 
     Raises:
         StreamingError: a parameter is shared by two blocks, or a block tensor is not dense.
@@ -298,6 +301,15 @@ class StreamedBlocks:
             [j not in self._pinned for j in range(len(self._blocks))], i, self.prefetch_ahead, step
         )
 
+    def _forward_ahead(self, i: int) -> list[int]:
+        """What a forward prefetches at block ``i``: the next streamed blocks, and in a forward without
+        autograd, once they run out, the head the next forward starts with (see [Note: turn holds])."""
+        ahead = self._ahead(i, 1)
+        if self.hold_turns and not torch.is_grad_enabled() and len(ahead) < self.prefetch_ahead:
+            head = sorted(self._head_holds() - {i, *ahead})
+            ahead += head[: self.prefetch_ahead - len(ahead)]
+        return ahead
+
     def _streamed_order(self, reverse: bool = False) -> list[_Block]:
         """The streamed (not kept resident) blocks in forward order, or backward order."""
         order = [b for b in self._blocks if b.index not in self._pinned]
@@ -329,7 +341,7 @@ class StreamedBlocks:
                 self._release_stale_holds(i)
             self._make_ready(i, "backward" if in_bwd else "forward")
             if not in_bwd:
-                self._prefetch(self._ahead(i, 1), i)
+                self._prefetch(self._forward_ahead(i), i)
 
         return pre_hook
 

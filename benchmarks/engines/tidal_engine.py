@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -200,9 +201,27 @@ def _batch_tokens(sc: Scenario) -> dict[str, int]:
 _WRAPPED: list[nn.Module] = []  # the model of this engine process's run, for notes()
 
 
+def host_work_note(work: dict[str, Any]) -> str:
+    """The host optimizer's own seconds per step (over the steps whose updates all ran: the last step's
+    may still be running), against which a full fine-tune's step is judged; where a host-bound step's time
+    goes besides: the waits on both sides, and when in the last step the worker had nothing to do."""
+    n = max(work["steps"], 1)
+    idle = work["last_step_idle"]
+    largest = sorted(idle, key=lambda g: -g[1])[:6]
+    gaps = ", ".join(f"{d:.3f} s at +{t:.3f} s" for t, d in sorted(largest))
+    return (
+        f"host optimizer: {work['updates']} parameter updates in {work['steps']} steps; over the "
+        f"{work['steps_done']} whose updates all ran, {work['update_s_per_step']:.3f} s of AdamW per step on "
+        f"its worker thread, busy {work['worker_busy_s_per_step']:.3f} s per step in all; per step (mean of "
+        f"{work['steps']}) it waited {work['land_wait_s'] / n:.3f} s for gradients' D2H copies and the "
+        f"forward {work['update_wait_s'] / n:.3f} s for updates; last step idle "
+        f"{sum(d for _, d in idle):.3f} s in {len(idle)} gaps{' (largest: ' + gaps + ')' if idle else ''}"
+    )
+
+
 def notes() -> list[str]:
     """The wrapped run's plan, its measured refinement and its CUDA graphs, as tidal's decision log has them,
-    the host optimizer's own seconds when it updated anything, then the hardware profile the plan was made
+    the host optimizer's own seconds (:func:`host_work_note`) when it updated anything, then the hardware profile the plan was made
     with (its rates reproduce the plan on another machine)."""
     from tidal_stream import memory_report, session_of
 
@@ -216,11 +235,7 @@ def notes() -> list[str]:
     ]
     work = memory_report(_WRAPPED[0]).get("host_optimizer")
     if work and work["updates"]:
-        # the host AdamW's own time, against which a full fine-tune's step is judged (hidden or exposed)
-        out.append(
-            f"host optimizer: {work['updates']} parameter updates in {work['steps']} steps, "
-            f"{work['update_s']:.2f} s on its worker thread ({work['update_s_per_step']:.3f} s per step)"
-        )
+        out.append(host_work_note(work))
     profile = session_of(_WRAPPED[0]).profile
     if profile is not None:
         out.append(f"profile: {dataclasses.asdict(profile)}")

@@ -119,3 +119,23 @@ def test_tidal_wraps_again_with_the_models_host_bytes_only_after_a_host_ram_refu
     with pytest.raises(InfeasiblePlan):
         _wrap_as_the_note_says(model, None, {"host_ram": "5GiB"})
     assert len(calls) == 1
+
+
+def test_host_work_note_reports_completed_steps_waits_and_the_largest_idle_gaps():
+    from engines.tidal_engine import host_work_note
+
+    work = {
+        "steps": 4,
+        "updates": 30,
+        "steps_done": 3,
+        "update_s_per_step": 7.5,
+        "worker_busy_s_per_step": 7.75,
+        "land_wait_s": 1.0,
+        "update_wait_s": 4.0,
+        "last_step_idle": [(0.5, 0.25), (2.0, 1.5), (3.0, 0.002)],
+    }
+    note = host_work_note(work)
+    assert "30 parameter updates in 4 steps; over the 3 whose updates all ran, 7.500 s of AdamW" in note
+    assert "busy 7.750 s per step" in note and "(mean of 4) it waited 0.250 s" in note
+    assert "forward 1.000 s for updates" in note and "idle 1.752 s in 3 gaps" in note
+    assert "(largest: 0.250 s at +0.500 s, 1.500 s at +2.000 s, 0.002 s at +3.000 s)" in note

@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -347,12 +348,17 @@ def test_verbose_prints_decisions_and_report_has_tiers_and_host_work(capsys):
     work = rep["host_optimizer"]
     assert work["steps"] == 1 and work["updates"] == tensors and work["update_s"] > 0
     assert work["update_s_per_step"] == work["update_s"]
+    assert work["steps_done"] == 1 and work["last_step_idle"] == []
+    assert work["worker_busy_s_per_step"] >= work["update_s_per_step"]
+    time.sleep(0.05)  # the worker has nothing to do until the next backward
     loss_fn(model, 1).backward()
     opt.step()
     opt.synchronize()
     work = memory_report(model)["host_optimizer"]
-    assert work["steps"] == 2 and work["updates"] == 2 * tensors
+    assert work["steps"] == work["steps_done"] == 2 and work["updates"] == 2 * tensors
     assert work["update_s_per_step"] == pytest.approx(work["update_s"] / 2)
+    # the sleep shows as idle time between the two steps; the forward waited for no update (synchronized)
+    assert sum(d for _, d in work["last_step_idle"]) >= 0.05 and work["update_wait_s"] == 0.0
     unwrap(model)
     with pytest.raises(StreamError, match="closed by unwrap"):
         opt.step()

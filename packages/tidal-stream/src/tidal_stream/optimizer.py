@@ -184,6 +184,10 @@ class OffloadAdamW(
         self._closed = False
         self._host_updates = 0  # parameter updates the host ran (worker thread)
         self._host_update_s = 0.0  # seconds of them: the AdamW pass with its widening and narrowing
+        # seconds waited: "land" (worker, for gradients' D2H copies), "update" (caller, for pending updates)
+        self._waited: collections.Counter[str] = collections.Counter()
+        self._step_marks: collections.deque[float] = collections.deque(maxlen=64)  # perf_counter per step()
+        self._rounds = (0, 0.0, 0.0)  # steps whose host jobs all ran: (count, update_s, worker busy_s then)
         self._steps = 0  # steps that queued updates (the last micro-step of each)
         self._after_first_update: Any = None  # set by wrap(): measure, then place the device share
         # device gradients whose D2H copy is in flight, oldest first: (landed event, gradient, bytes)
@@ -380,7 +384,9 @@ class OffloadAdamW(
         gen: int,
     ) -> None:
         with record_function("tidal::grad_land"):
+            t0 = time.perf_counter()
             landed.synchronize()  # why: the D2H copy of this gradient must have finished
+            self._waited["land"] += time.perf_counter() - t0
             now = last and self.max_grad_norm is None and not self.delayed_update
             if not direct and not now and s.grad is not None:
                 assert s.landing is not None
@@ -478,6 +484,7 @@ class OffloadAdamW(
         if not advance_micro(self):
             return loss
         self._steps += 1
+        self._step_marks.append(time.perf_counter())
         with record_function("tidal::step"):
             coef = self._clip_coef() if self.max_grad_norm is not None else None
             if self.delayed_update:
@@ -507,6 +514,7 @@ class OffloadAdamW(
                 # most are still pending here; its step stayed bound by the host updates themselves)
                 self._worker.reorder()
             self._landed = []
+            self._worker.put(self._round_done)  # after this step's host jobs: its per-step seconds are known
             self._device_update(coef)
             self._gen += 1  # this step's updates are all queued: later undo copies belong to the next
         if self._after_first_update is not None:

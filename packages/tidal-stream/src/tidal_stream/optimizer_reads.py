@@ -8,6 +8,7 @@ and refills wait for them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -40,12 +41,18 @@ class ReadGuardMixin:
     def _wait_ready(self, s: Any, compute: Any) -> None:
         """Block until ``s``'s update is queued, then make ``compute`` wait for its copy to the device."""
         if not s.ready.is_set():
-            with record_function("tidal::wait_update"):
-                s.ready.wait()  # the worker has not yet queued this weight's copy back
-            self._surface_failure()
+            self._wait_update(s)  # the worker has not yet queued this weight's copy back
         ev = s.h2d_event
         if ev is not None:
             ev.wait(compute)  # why: this forward reads the weight the H2D stream is writing
+
+    def _wait_update(self, s: Any) -> None:
+        """Block until the worker has finished ``s``'s update, counting the seconds waited."""
+        t0 = time.perf_counter()
+        with record_function("tidal::wait_update"):
+            s.ready.wait()  # why: the caller reads this weight (on the device or in its host copy) next
+        self._waited["update"] += time.perf_counter() - t0
+        self._surface_failure()
 
     def _wait_unguarded(self) -> None:
         if self._unguarded:
@@ -82,9 +89,7 @@ class ReadGuardMixin:
         for t in tensors:
             s = self._slots.get(id(t))
             if s is not None and not s.ready.is_set():
-                with record_function("tidal::wait_update"):
-                    s.ready.wait()  # the worker is still writing this weight's host copy
-                self._surface_failure()
+                self._wait_update(s)  # the worker is still writing this weight's host copy
 
     def _make_guard(self, slots: list[Any]) -> Any:
         def guard(module: nn.Module, args: Any) -> None:

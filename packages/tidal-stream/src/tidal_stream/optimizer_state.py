@@ -56,12 +56,16 @@ class OffloadStateMixin:
 
     Relies on the optimizer's ``state``, ``param_groups``, ``_slots`` (host), ``_gpu`` (device),
     ``_handles``, ``_worker``, ``_landed``, ``_to_push``, ``session``, ``synchronize()``, ``_push`` and
-    ``_on_grad``; ``host_work()`` reads its counters ``_steps``, ``_host_updates`` and ``_host_update_s``.
+    ``_on_grad``; ``host_work()`` reads its counters ``_steps``, ``_host_updates``, ``_host_update_s``,
+    ``_waited``, ``_step_marks`` and ``_rounds``.
     """
 
     _steps: int
     _host_updates: int
     _host_update_s: float
+    _waited: Any
+    _step_marks: Any
+    _rounds: tuple[int, float, float]
 
     # ------------------------------------------------------------------ step journal
     def _journal(self, s: Any, gen: int) -> UndoCopy | None:
@@ -208,17 +212,38 @@ class OffloadStateMixin:
         ]
         return moved
 
-    def host_work(self) -> dict[str, float | int]:
+    def _round_done(self) -> None:
+        """Worker job queued after a step's host jobs: that step's seconds are all counted now."""
+        self._rounds = (self._rounds[0] + 1, self._host_update_s, self._worker.busy_s)
+
+    def host_work(self) -> dict[str, Any]:
         """What the host optimizer did since ``wrap()``: ``steps`` (optimizer steps that queued updates),
         ``updates`` (parameter updates the host ran), ``update_s`` (their seconds on the worker thread: the
         AdamW pass with its widening and narrowing, not the waits for copies; updates still queued are not
-        in it yet) and ``update_s_per_step``."""
-        steps, seconds = self._steps, self._host_update_s
+        in it yet); ``steps_done`` (steps whose host jobs have all run) and, over those, ``update_s_per_step``
+        and ``worker_busy_s_per_step`` (every job the worker ran: updates, gradient landings, copies back,
+        with their waits). Where a step's time goes besides: ``land_wait_s`` (the worker waiting for
+        gradients' D2H copies), ``update_wait_s`` (the caller's forward waiting for pending updates), and
+        ``last_step_idle`` — the worker's waits for work longer than a millisecond between the last two
+        ``step()`` calls (clipped to them), as ``(seconds after the earlier, seconds)``."""
+        done, done_update_s, done_busy_s = self._rounds
+        idle = []
+        if len(self._step_marks) >= 2:
+            m0, m1 = list(self._step_marks)[-2:]
+            for t, d in list(self._worker.idle_gaps):
+                a, b = max(t, m0), min(t + d, m1)
+                if b > a:
+                    idle.append((a - m0, b - a))
         return {
-            "steps": steps,
+            "steps": self._steps,
             "updates": self._host_updates,
-            "update_s": seconds,
-            "update_s_per_step": seconds / steps if steps else 0.0,
+            "update_s": self._host_update_s,
+            "steps_done": done,
+            "update_s_per_step": done_update_s / done if done else 0.0,
+            "worker_busy_s_per_step": done_busy_s / done if done else 0.0,
+            "land_wait_s": self._waited["land"],
+            "update_wait_s": self._waited["update"],
+            "last_step_idle": idle,
         }
 
     def memory_tiers(self) -> dict[str, dict[str, int]]:

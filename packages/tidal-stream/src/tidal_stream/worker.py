@@ -6,9 +6,11 @@ catchable: a ``RuntimeError`` from a kernel is a ``RuntimeError`` for the caller
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,10 @@ class HostWorker:
         self._device = device
         self._on_error = on_error
         self.error: BaseException | None = None
+        self.busy_s = 0.0  # seconds the thread spent running jobs
+        # (perf_counter when it began, seconds) of each wait for a job longer than a millisecond: when the
+        # host optimizer had nothing to do (a full fine-tune's step is bound by its busy time otherwise)
+        self.idle_gaps: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="tidal-host-adam", daemon=True)
         self._thread.start()
 
@@ -49,13 +55,18 @@ class HostWorker:
             torch.cuda.set_device(self._device)
         fn = args = None
         while True:
+            t_wait = time.perf_counter()
             item = self._q.get()
+            t_got = time.perf_counter()
+            if t_got - t_wait > 1e-3:
+                self.idle_gaps.append((t_wait, t_got - t_wait))
             try:
                 if item is None:
                     return
                 if self.error is None:
                     fn, args, _ = item
                     fn(*args)
+                    self.busy_s += time.perf_counter() - t_got
                 else:
                     self._on_error()  # a skipped job: release what its waiters wait for (never hang)
             except BaseException as e:  # surfaced on the submitting thread by check()

@@ -30,8 +30,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,50 +39,12 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from trace_intervals import Ev, kineto_events, merged, overlap, total  # noqa: E402
+
+__all__ = ["Ev", "kineto_events", "main", "merged", "overlap", "summarize", "total"]
+
 #: host-side CUDA runtime calls that may block the calling thread
 BLOCKING = ("Synchronize", "cudaMemcpy", "cudaEventQuery", "cudaStreamQuery", "cudaHostRegister", "cudaFree")
-
-
-@dataclass(frozen=True)
-class Ev:
-    """One profiled activity: on the GPU (``device``) or a host call, microseconds."""
-
-    name: str
-    start: float
-    end: float
-    device: bool
-    stream: int = 0
-    corr: int = 0
-
-
-def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of ``intervals`` as sorted, disjoint ``(start, end)`` pairs."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def total(intervals: Sequence[tuple[float, float]]) -> float:
-    """Summed length of disjoint intervals."""
-    return sum(e - s for s, e in intervals)
-
-
-def overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """Length of the intersection of two sorted, disjoint interval lists."""
-    i = j = 0
-    got = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        got += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return got
 
 
 def summarize(events: Sequence[Ev], steps: int, wall_ms: float) -> dict[str, Any]:
@@ -116,25 +77,6 @@ def summarize(events: Sequence[Ev], steps: int, wall_ms: float) -> dict[str, Any
         },
         "runtime_ms": {k: v / 1e3 / n for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:6]},
     }
-
-
-def kineto_events(prof: Any) -> list[Ev]:
-    """The profiler's activities as :class:`Ev` (GPU activities carry their stream as ``stream``)."""
-    out = []
-    for e in prof.profiler.kineto_results.events():
-        device = str(e.device_type()).endswith("CUDA")
-        start = e.start_ns() / 1e3
-        out.append(
-            Ev(
-                e.name(),
-                start,
-                start + e.duration_ns() / 1e3,
-                device,
-                e.device_resource_id() if device else 0,
-                e.correlation_id(),
-            )
-        )
-    return out
 
 
 def profile_engine(engine: str, model: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -22,6 +22,10 @@ Prints (and writes as JSON with ``--json``): median step time, the compute floor
 time (median step − compute floor), peak VRAM above the filler, and the placement decisions.
 Goal on the H200: ≤ 0.30 s per step.
 
+``--profile PATH`` writes a Chrome trace of one more step there and prints its summary: the GPU's kernel
+time against the span of its kernels, the longest stretches without a kernel with the host's
+``tidal::`` annotations and synchronizations in them, and each annotation's host time per thread.
+
 Then ``--breakdown`` more steps are cut into phases, each bracketed by ``torch.cuda.synchronize()`` (so
 they do not overlap each other as in the timed steps): forward (loss included), backward, the ``step()``
 call, and the wait for the host updates still running after it (``synchronize()``). The host worker's
@@ -87,6 +91,26 @@ class HostTimer:
     def reset(self) -> None:
         self.land_s = self.update_s = 0.0
         self.updates = 0
+
+
+def trace_summary(prof: Any) -> dict[str, Any]:
+    """One profiled step: GPU kernel time against the span, the longest GPU idle stretches with the
+    host's tidal annotations and synchronizations in them, and each annotation's host time per thread."""
+    from trace_intervals import annotation_ms, gpu_idle_gaps, kineto_events, merged, total
+
+    evs = kineto_events(prof)
+    kernels = merged(
+        (e.start, e.end) for e in evs if e.device and not e.name.startswith(("Memcpy", "Memset"))
+    )
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
+    return {
+        "kernel_span_ms": span,
+        "kernel_busy_ms": total(kernels) / 1e3,
+        "idle_gaps": gpu_idle_gaps(evs, top=10),
+        "annotations_ms": {
+            k: {str(t): round(v, 2) for t, v in per.items()} for k, per in annotation_ms(evs).items()
+        },
+    }
 
 
 def worker_threads(opt: object) -> int | None:
@@ -258,6 +282,8 @@ def main() -> None:
             train_step()
             opt.synchronize()
         prof.export_chrome_trace(args.profile)
+        result_trace = trace_summary(prof)
+        print("profiled step: " + json.dumps(result_trace))
     peak = torch.cuda.max_memory_allocated(device) - filler_bytes if device.type == "cuda" else 0
     # what the device really held (allocator caches and fragmentation included): must stay under the budget
     peak_reserved = torch.cuda.max_memory_reserved(device) - filler_bytes if device.type == "cuda" else 0
@@ -285,6 +311,8 @@ def main() -> None:
         "host_per_step": host_per_step,
         "weight_streaming": report.get("weight_streaming"),
     }
+    if args.profile:
+        result["profiled_step"] = result_trace
     plan = session_of(model).plan
     if plan is not None:  # the planner's predicted step time beside the measured one
         result["prediction"] = compare_prediction(plan, step_med)

@@ -48,3 +48,32 @@ def test_cpu_smoke_run() -> None:
         rows = ov.main(["--smoke", "--engines", "dynamic,tidal", "--warmup", "1", "--steps", "2"])
     assert [r["engine"] for r in rows] == ["dynamic", "tidal"]
     assert all(r["step_ms"] > 0 and r["steps"] == 2 and r["pageable_h2d"] == 0 for r in rows)
+
+
+def test_gpu_idle_gaps_name_what_the_host_did_in_them() -> None:
+    """Kernels [0, 2) and [5, 6) and [6.5, 7) ms: the 3 ms gap holds a 2 ms wait for an update on the main
+    thread and a stream synchronization; the 0.5 ms gap holds nothing."""
+    from trace_intervals import Ev, annotation_ms, gpu_idle_gaps
+
+    ms = 1e3
+    evs = [
+        Ev("gemm", 0, 2 * ms, True, 7),
+        Ev("gemm", 5 * ms, 6 * ms, True, 7),
+        Ev("gemm", 6.5 * ms, 7 * ms, True, 7),
+        Ev("Memcpy HtoD (Pinned -> Device)", 2 * ms, 4 * ms, True, 9),  # copies do not fill a gap
+        Ev("tidal::wait_update", 2.5 * ms, 4.5 * ms, False, thread=1),
+        Ev("tidal::stream.fetch[3]", 1 * ms, 3 * ms, False, thread=1),
+        Ev("tidal::stream.fetch[4]", 9 * ms, 10 * ms, False, thread=1),
+        Ev("cudaStreamSynchronize", 4.5 * ms, 5 * ms, False, thread=2),
+    ]
+    gaps = gpu_idle_gaps(evs, top=5)
+    assert [round(g["ms"], 3) for g in gaps] == [3.0, 0.5]
+    assert gaps[0]["start_ms"] == pytest.approx(2.0)
+    assert gaps[0]["host"] == pytest.approx(
+        {"tidal::wait_update": 2.0, "tidal::stream.fetch": 1.0, "cudaStreamSynchronize": 0.5}
+    )
+    assert gaps[1]["host"] == {}
+    per_thread = annotation_ms(evs)
+    assert per_thread.keys() == {"tidal::wait_update", "tidal::stream.fetch"}
+    assert per_thread["tidal::wait_update"] == pytest.approx({1: 2.0})
+    assert per_thread["tidal::stream.fetch"] == pytest.approx({1: 3.0})

@@ -207,6 +207,28 @@ def test_forwards_without_autograd_prefetch_the_next_ones_head(k):
     assert sb.stats()["demand_fetches"] == 1
 
 
+def test_only_empty_blocks_wear_the_read_guard():
+    """A block's tensors are plain while filled (its kernels pay no __torch_function__ call) and guarded
+    while empty: a read between uses raises a clear error, a read of a held block just works."""
+    _, model = _frozen_pair()
+    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, hold_turns=True)
+    with torch.no_grad():
+        model(torch.randn(2, 6, 32))
+    assert sb.resident() == (0,)  # prefetched for the next forward
+    held, empty = model.layers[0].up.weight, model.layers[2].up.weight
+    assert type(held) is nn.Parameter and type(model.layers[0].scale) is torch.Tensor
+    assert held.clone().shape == held.shape
+    assert type(empty) is not nn.Parameter and isinstance(empty, nn.Parameter)
+    with pytest.raises(StreamingError, match="block 2"):
+        empty.clone()
+    with sb.gathered(writeback=False):
+        assert all(type(p) is nn.Parameter for p in model.layers.parameters())
+    assert sb.resident() == () and type(empty) is type(held) is not nn.Parameter  # gathered released all
+    sb.remove()
+    assert all(type(p) is nn.Parameter for p in model.layers.parameters())
+    assert empty.clone().shape == empty.shape
+
+
 def test_trained_blocks_are_not_prefetched_across_forwards():
     """Blocks that require grad may be rewritten by an optimizer between forwards: never held over."""
     _, model = make(torch.float32, "cpu")

@@ -6,23 +6,26 @@ Reading one then (``p.clone()``, ``p.sum()``, ``repr(p)``, ``copy.deepcopy``, ``
 ``model.to(...)``) would read freed memory — a segmentation fault on the CPU. :func:`guard` swaps the
 tensor's class for a subclass whose ``__torch_function__`` raises :class:`StreamingError` naming the
 tensor and the fix when a data-reading call gets it with empty storage; everything else passes through
-unchanged (one Python check per call: a few microseconds). Metadata (shape, dtype, ``.grad``, ``.data``,
-``untyped_storage()``, ``detach()`` — what ``state_dict()`` and the streaming machinery itself use) is
-always allowed. Only exactly ``nn.Parameter`` and ``torch.Tensor`` are guarded; other tensor subclasses
-are left as they are. :func:`unguard` restores the class.
+unchanged. Metadata (shape, dtype, ``.grad``, ``.data``, ``untyped_storage()``, ``detach()`` — what
+``state_dict()`` and the streaming machinery itself use) is always allowed. Only exactly ``nn.Parameter``
+and ``torch.Tensor`` are guarded; other tensor subclasses are left as they are. :func:`unguard` restores
+the class for good.
+
+The guarded class is worn only while the storage is empty: the refill that fills it swaps in the plain
+class (:func:`lift`) and the release that empties it swaps the guarded one back (:func:`drop`), so the
+block's own kernels, forward and backward, run on plain tensors — no Python ``__torch_function__`` call
+(several microseconds each, on every op that reads a streamed weight) stands between them and the GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["guard", "unguard", "unguarded"]
+__all__ = ["drop", "guard", "lift", "unguard"]
 
 # calls that read no element: allowed on an empty tensor (``__get__`` / ``__set__``: attributes)
 _METADATA = frozenset(
@@ -119,32 +122,22 @@ def guard(t: torch.Tensor, name: str) -> None:
     t.__dict__[_NAME] = name
 
 
-def unguard(t: torch.Tensor) -> None:
-    """Undo :func:`guard`."""
+def lift(t: torch.Tensor) -> None:
+    """``t``'s storage is filled: the plain class, its name kept for :func:`drop`."""
     if type(t) is _GuardedParameter:
         t.__class__ = nn.Parameter
     elif type(t) is _GuardedTensor:
         t.__class__ = torch.Tensor
-    else:
-        return
+
+
+def drop(t: torch.Tensor) -> None:
+    """``t``'s storage is empty again: the guarded class, if :func:`guard` named it."""
+    name = t.__dict__.get(_NAME)
+    if name is not None:
+        guard(t, name)
+
+
+def unguard(t: torch.Tensor) -> None:
+    """Undo :func:`guard` for good: the plain class, the name forgotten."""
+    lift(t)
     t.__dict__.pop(_NAME, None)
-
-
-@contextlib.contextmanager
-def unguarded(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Plain classes for the duration, guards (and names) restored after.
-
-    For spans where the storage is filled (``StreamedBlocks.gathered``): torch's optimizers take their
-    multi-tensor (foreach) path only for exactly ``torch.Tensor`` / ``nn.Parameter``, so a guarded class
-    there would silently switch them to the per-tensor path (slower, and not bit-identical to foreach).
-    """
-    names = {}
-    for t in tensors:
-        if isinstance(t, (_GuardedParameter, _GuardedTensor)):
-            names[id(t)] = (t, t.__dict__.get(_NAME, "a streamed tensor"))
-            unguard(t)
-    try:
-        yield
-    finally:
-        for t, name in names.values():
-            guard(t, name)

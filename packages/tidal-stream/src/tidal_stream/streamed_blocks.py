@@ -50,7 +50,7 @@ from torch import nn
 
 from tidal_plan import streamed_ahead
 from tidal_stream._block_adoption import BlockAdoption
-from tidal_stream._empty_guard import unguard, unguarded
+from tidal_stream._empty_guard import drop, lift, unguard
 from tidal_stream._host_buffers import HostBuffers
 from tidal_stream._stream_slots import ResidencyEvent, _Block, _tensors_of, window_of
 from tidal_stream.errors import SlotBudgetError, StreamingError
@@ -212,6 +212,7 @@ class StreamedBlocks:
             with stream_context(compute):
                 for s in b.slots:
                     s.tensor.untyped_storage().resize_(s.nbytes)
+                    lift(s.tensor)  # filled: plain class, so its reads skip the empty-storage check
                 # why: the bytes just allocated may still be read by kernels queued on the compute stream
                 alloc_done = record_event(compute)
             t0 = time.perf_counter()
@@ -250,6 +251,7 @@ class StreamedBlocks:
                 b.ready.wait(b.compute if b.compute is not None else self.streams.compute())
             for s in b.slots:
                 s.tensor.untyped_storage().resize_(0)
+                drop(s.tensor)  # empty: reads raise a clear error again
         b.resident = False
         b.ready = None
         self._record("release", i, phase)
@@ -487,10 +489,7 @@ class StreamedBlocks:
             self._fetch(b.index, "gather", compute)
             self._make_ready(b.index, "gather")
         try:
-            with unguarded(
-                s.tensor for b in self._blocks for s in b.slots
-            ):  # filled: plain classes (foreach)
-                yield
+            yield  # every block filled, so plain classes: torch's optimizers keep their foreach path
         finally:
             if writeback:
                 self._writeback(self._blocks, compute)

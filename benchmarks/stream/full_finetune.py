@@ -29,8 +29,9 @@ time against the span of its kernels, the longest stretches without a kernel wit
 Then ``--breakdown`` more steps are cut into phases, each bracketed by ``torch.cuda.synchronize()`` (so
 they do not overlap each other as in the timed steps): forward (loss included), backward, the ``step()``
 call, and the wait for the host updates still running after it (``synchronize()``). The host worker's
-own time is measured over the timed steps: the busy time of its jobs per step, of which the AdamW
-updates (with the copy back of the new weight), and the intra-op thread count inside the worker thread.
+own time over the timed steps comes from the optimizer's counters (``host_work()``): the busy time of its
+jobs per step, of which the AdamW updates (with the copy back of the new weight), and the intra-op
+thread count inside the worker thread.
 """
 
 from __future__ import annotations
@@ -57,40 +58,11 @@ def make_batch(args: argparse.Namespace, device: torch.device, step: int) -> tor
     return torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)  # [B, T]
 
 
-class HostTimer:
-    """Time the host optimizer's jobs on its worker thread (``OffloadAdamW._land_now`` / ``_update_now``).
-
-    ``_land_now`` waits for a gradient's copy, widens it and (without clipping) runs the update
-    (``_update_now``: the AdamW update and the new weight's copy back); both are wrapped on the instance,
-    so the optimizer's code is unchanged. Only the worker thread adds to the sums.
-    """
-
-    def __init__(self, opt: object) -> None:
-        self.land_s = self.update_s = 0.0
-        self.updates = 0
-        self.active = hasattr(opt, "_land_now") and hasattr(opt, "_update_now")
-        if not self.active:  # the data-parallel optimizer has other jobs
-            return
-        opt._land_now = self._timed(opt._land_now, "land_s")
-        opt._update_now = self._timed(opt._update_now, "update_s", counts_updates=True)
-
-    def _timed(self, fn: Any, total: str, counts_updates: bool = False) -> Any:
-        """``fn`` wrapped to add its wall seconds to the attribute ``total`` (and each call to ``updates``)."""
-
-        def run(*a: object, **kw: object) -> None:
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **kw)  # keywords too: the optimizer calls ``_update_now(..., land=...)``
-            finally:
-                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
-                if counts_updates:
-                    self.updates += 1
-
-        return run
-
-    def reset(self) -> None:
-        self.land_s = self.update_s = 0.0
-        self.updates = 0
+def host_work(opt: object) -> dict[str, Any]:
+    """The host optimizer's own counters (``memory_report(model)["host_optimizer"]``), or zeros for an
+    optimizer without them (the data-parallel one)."""
+    work = getattr(opt, "host_work", None)
+    return work() if work is not None else {"worker_busy_s": 0.0, "update_s": 0.0, "updates": 0}
 
 
 def trace_summary(prof: Any) -> dict[str, Any]:
@@ -238,16 +210,16 @@ def main() -> None:
         opt.zero_grad()
         losses.append(loss.detach())
 
-    host_timer = HostTimer(opt)
     time_calls(train_step, device, args.warmup)
     opt.synchronize()
-    host_timer.reset()
+    before = host_work(opt)
     steps = time_calls(train_step, device, args.steps)
-    opt.synchronize()
+    opt.synchronize()  # why: every timed step's host jobs have run, so the counters hold all of them
+    after = host_work(opt)
     host_per_step = {
-        "worker_busy_s": host_timer.land_s / args.steps,
-        "host_update_s": host_timer.update_s / args.steps,
-        "host_updates_per_step": host_timer.updates / args.steps,
+        "worker_busy_s": (after["worker_busy_s"] - before["worker_busy_s"]) / args.steps,
+        "host_update_s": (after["update_s"] - before["update_s"]) / args.steps,
+        "host_updates_per_step": (after["updates"] - before["updates"]) / args.steps,
     }
     host_per_step["worker_threads"] = worker_threads(opt)
     host_per_step["main_threads"] = torch.get_num_threads()

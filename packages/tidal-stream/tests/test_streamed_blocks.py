@@ -138,20 +138,28 @@ def _frozen_pair(seed: int = 0):
     return ref, model
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_turn_holds_keep_one_window_over_each_turn_of_frozen_blocks(k):
-    """hold_turns on frozen blocks: losses and gradients bit-identical to the resident model over 5 steps;
-    the forward's last window stays for the backward and the backward's last window for the next forward,
-    so each step after the first refills 2 x (5 - (k + 1)) blocks, never more than k + 1 at once."""
-    ref, model = _frozen_pair()
-    sizes = []
+def _held(model, k: int, **options):
+    """``StreamedBlocks`` over ``model.layers`` with turn holds (CPU), and the list of resident-block counts
+    its observer sees after every residency event."""
+    sizes: list[int] = []
     sb = StreamedBlocks(
         model.layers,
         "cpu",
         prefetch_ahead=k,
         hold_turns=True,
         observer=lambda e: sizes.append(len(e.resident)),
+        **options,
     )
+    return sb, sizes
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_turn_holds_keep_one_window_over_each_turn_of_frozen_blocks(k):
+    """hold_turns on frozen blocks: losses and gradients bit-identical to the resident model over 5 steps;
+    the forward's last window stays for the backward and the backward's last window for the next forward,
+    so each step after the first refills 2 x (5 - (k + 1)) blocks, never more than k + 1 at once."""
+    ref, model = _frozen_pair()
+    sb, sizes = _held(model, k)
     opt_r = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     opt_s = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     w = k + 1
@@ -184,14 +192,7 @@ def test_forwards_without_autograd_prefetch_the_next_ones_head(k):
     blocks prefetch the next one's first k, so only the very first block is fetched on demand; outputs
     bit-identical, never more than k + 1 blocks resident."""
     ref, model = _frozen_pair()
-    sizes = []
-    sb = StreamedBlocks(
-        model.layers,
-        "cpu",
-        prefetch_ahead=k,
-        hold_turns=True,
-        observer=lambda e: sizes.append(len(e.resident)),
-    )
+    sb, sizes = _held(model, k)
     with torch.no_grad():
         for step in range(3):
             x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(step))
@@ -211,7 +212,7 @@ def test_only_empty_blocks_wear_the_read_guard():
     """A block's tensors are plain while filled (its kernels pay no __torch_function__ call) and guarded
     while empty: a read between uses raises a clear error, a read of a held block just works."""
     _, model = _frozen_pair()
-    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, hold_turns=True)
+    sb, _ = _held(model, 1)
     with torch.no_grad():
         model(torch.randn(2, 6, 32))
     assert sb.resident() == (0,)  # prefetched for the next forward
@@ -232,7 +233,7 @@ def test_only_empty_blocks_wear_the_read_guard():
 def test_trained_blocks_are_not_prefetched_across_forwards():
     """Blocks that require grad may be rewritten by an optimizer between forwards: never held over."""
     _, model = make(torch.float32, "cpu")
-    sb = StreamedBlocks(model.layers, "cpu", prefetch_ahead=1, hold_turns=True)
+    sb, _ = _held(model, 1)
     with torch.no_grad():
         for _ in range(2):
             model(torch.randn(2, 6, 32))
@@ -241,14 +242,7 @@ def test_trained_blocks_are_not_prefetched_across_forwards():
 
 def test_a_forward_without_its_backward_gives_up_its_holds_at_the_next_forward():
     ref, model = _frozen_pair()
-    sizes = []
-    sb = StreamedBlocks(
-        model.layers,
-        "cpu",
-        prefetch_ahead=1,
-        hold_turns=True,
-        observer=lambda e: sizes.append(len(e.resident)),
-    )
+    sb, sizes = _held(model, 1)
     x = torch.randn(2, 6, 32)
     model(x)  # builds a graph that is never backpropagated: its last window stays
     assert sb.resident() == (3, 4)
@@ -268,15 +262,7 @@ def test_in_flight_cap_counts_the_blocks_ahead_of_the_running_one():
     block = sum(
         t.numel() * t.element_size() for t in (*model.layers[0].parameters(), *model.layers[0].buffers())
     )
-    sizes = []
-    sb = StreamedBlocks(
-        model.layers,
-        "cpu",
-        prefetch_ahead=2,
-        max_inflight_bytes=block,
-        hold_turns=True,
-        observer=lambda e: sizes.append(len(e.resident)),
-    )
+    sb, sizes = _held(model, 2, max_inflight_bytes=block)
     assert max(sb.block_bytes()) == block
     model(torch.randn(2, 6, 32)).backward()
     assert max(sizes) == 2 and sb.resident() == (0, 1)

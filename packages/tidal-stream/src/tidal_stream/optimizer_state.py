@@ -220,7 +220,8 @@ class OffloadStateMixin:
         """What the host optimizer did since ``wrap()``: ``steps`` (optimizer steps that queued updates),
         ``updates`` (parameter updates the host ran), ``update_s`` (their seconds on the worker thread: the
         AdamW pass with its widening and narrowing, not the waits for copies; updates still queued are not
-        in it yet); ``steps_done`` (steps whose host jobs have all run) and, over those, ``update_s_per_step``
+        in it yet); ``worker_busy_s`` (the seconds of every job the worker has finished: updates, gradient
+        landings, copies back, with their waits); ``steps_done`` (steps whose host jobs have all run) and, over those, ``update_s_per_step``
         and ``worker_busy_s_per_step`` (every job the worker ran: updates, gradient landings, copies back,
         with their waits). Where a step's time goes besides: ``land_wait_s`` (the worker waiting for
         gradients' D2H copies), ``update_wait_s`` (the caller's forward waiting for pending updates), and
@@ -238,6 +239,7 @@ class OffloadStateMixin:
             "steps": self._steps,
             "updates": self._host_updates,
             "update_s": self._host_update_s,
+            "worker_busy_s": self._worker.busy_s,
             "steps_done": done,
             "update_s_per_step": done_update_s / done if done else 0.0,
             "worker_busy_s_per_step": done_busy_s / done if done else 0.0,

@@ -18,7 +18,9 @@ synchronized, as ``generate()`` is) and reports per step:
 - ``h2d_queue_ms``: median and max delay from the host's ``cudaMemcpyAsync`` to the copy's start on the
   GPU (a long delay: the copy waits in its stream, e.g. for a slot the attention still reads);
 - ``runtime_ms``: host time inside the CUDA runtime calls that can block (synchronizations, memcpys,
-  event waits), the largest first.
+  event waits), the largest first;
+- ``top_kernels``: the kernels with the most device time per step, with their calls per step (where the
+  engines' kernel time differs).
 
 One JSON line per engine on stdout (``RESULT {...}``) and a short table.
 """
@@ -43,6 +45,8 @@ from trace_intervals import Ev, kineto_events, merged, overlap, total  # noqa: E
 
 __all__ = ["Ev", "kineto_events", "main", "merged", "overlap", "summarize", "total"]
 
+#: kernels listed by their device time per step, the largest first
+TOP_KERNELS = 8
 #: host-side CUDA runtime calls that may block the calling thread
 BLOCKING = ("Synchronize", "cudaMemcpy", "cudaEventQuery", "cudaStreamQuery", "cudaHostRegister", "cudaFree")
 
@@ -62,6 +66,10 @@ def summarize(events: Sequence[Ev], steps: int, wall_ms: float) -> dict[str, Any
         if not e.device and e.name.startswith("cuda") and any(b in e.name for b in BLOCKING):
             runtime[e.name] = runtime.get(e.name, 0.0) + (e.end - e.start)
     n = max(steps, 1)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.end - e.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     return {
         "steps": steps,
         "step_ms": wall_ms / n,
@@ -76,6 +84,7 @@ def summarize(events: Sequence[Ev], steps: int, wall_ms: float) -> dict[str, Any
             "max": max(queue) / 1e3 if queue else None,
         },
         "runtime_ms": {k: v / 1e3 / n for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:6]},
+        "top_kernels": [{"name": name[:120], "ms": sum(d) / 1e3 / n, "calls": len(d) / n} for name, d in top],
     }
 
 
@@ -123,6 +132,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{'':<12}runtime ms/step: {json.dumps({k: round(v, 2) for k, v in r['runtime_ms'].items()})}"
         )
+        for k in r["top_kernels"]:
+            lines.append(f"{'':<12}{k['ms']:8.3f} ms {k['calls']:6.0f} calls  {k['name']}")
     return "\n".join(lines)
 
 

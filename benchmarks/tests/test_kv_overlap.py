@@ -41,6 +41,9 @@ def test_summary_of_a_step_whose_copy_half_hides() -> None:
     assert s["h2d_queue_ms"]["median"] == pytest.approx(1.0)  # issued at 1 ms, started at 2 ms
     assert list(s["runtime_ms"]) == ["cudaStreamSynchronize", "cudaMemcpyAsync"]
     assert s["runtime_ms"]["cudaStreamSynchronize"] == pytest.approx(3)
+    assert s["top_kernels"] == [
+        {"name": "gemm", "ms": pytest.approx(4), "calls": 1}
+    ]  # copies are not kernels
 
 
 def test_cpu_smoke_run() -> None:

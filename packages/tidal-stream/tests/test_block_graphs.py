@@ -22,6 +22,7 @@ from tidal_stream.block_graphs import (
     _BlockGraph,
     _foreign_hooks,
     _signature,
+    blocks_within,
     graphable_blocks,
     graphs_reserve_bytes,
 )
@@ -162,7 +163,8 @@ def test_captures_see_stand_ins_that_share_the_parameters_storage():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-def _lora_qwen(layers: int = 3) -> nn.Module:
+def _lora_qwen(layers: int = 3, full: bool = False) -> nn.Module:
+    """A tiny bf16 Qwen2 on the GPU with LoRA adapters (``full``: no adapters, every weight trained)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     cfg = transformers.Qwen2Config(
@@ -177,6 +179,8 @@ def _lora_qwen(layers: int = 3) -> nn.Module:
     )
     torch.manual_seed(0)
     base = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    if full:
+        return base.cuda()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     g = torch.Generator().manual_seed(1)
@@ -194,9 +198,11 @@ def _run(
     double_forward: bool = False,
     set_to_none: bool = True,
     recompute: bool = False,
+    full: bool = False,
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], nn.Module]:
-    """Losses and adapter gradients per micro-step of a wrapped LoRA Qwen2 (weights and state on the GPU)."""
-    model = _lora_qwen()
+    """Losses and trained gradients per micro-step of a wrapped LoRA Qwen2 (``full``: every weight trained;
+    weights and state on the GPU)."""
+    model = _lora_qwen(full=full)
     model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -280,6 +286,31 @@ def test_recomputed_blocks_replay_their_recompute_bit_for_bit():
         rep["activations"]["recomputed_forwards"]
         < memory_report(eager[2])["activations"]["recomputed_forwards"]
     )
+
+
+@pytest.mark.gpu
+@cuda
+def test_full_fine_tuning_graphs_the_blocks_the_room_holds_bit_for_bit(monkeypatch):
+    """Full fine-tuning with room for two blocks' graph buffers (their weights' gradients included): blocks
+    0-1 replay graphs, block 2 stays eager, and the losses and every weight's gradient match the eager run."""
+    from tidal_stream.block_graphs import graphs_reserve_by_block
+
+    rooms = []
+
+    def two_blocks(session):
+        reserve = graphs_reserve_by_block(session, session.optimizer)
+        rooms.append(reserve)
+        return reserve[0] + reserve[1]
+
+    monkeypatch.setattr(graph_fit, "graphs_room", two_blocks)
+    lengths = [16] * 5
+    eager = _run(False, lengths, recompute=True, full=True)
+    graphed = _run(True, lengths, recompute=True, full=True)
+    _same(eager, graphed)
+    assert rooms and all(r[0] > 4 * 64 * 16 * 2 for r in rooms)  # the buffers count the weights' gradients
+    rep = memory_report(graphed[2])["cuda_graphs"]
+    assert rep["captured"] == [0, 1] and rep["replays"] > 0, _graph_events(graphed[2])
+    assert any("blocks 2 stay eager: their buffers would exceed" in m for m in _graph_events(graphed[2]))
 
 
 @pytest.mark.gpu
@@ -504,38 +535,67 @@ def test_graphs_reserve_the_trained_weights_gradients_of_the_blocks_that_will_be
     assert graphs_reserve_bytes(session, opt) == 4 * (100 + 300) + 2 * grads
 
 
-def _refined_session(room, moved, kept, headroom, graphs):
+def _refined_session(blocks, inputs, room):
+    """A session over trained ``blocks`` (none streams) whose measured refinement left ``room`` bytes for
+    the graphs' buffers (None: no refinement ran)."""
     from tidal_stream.session import Decision
 
-    data = dict(room=room, device_bytes=moved, activations_kept_bytes=kept, headroom=headroom)
-    refined = Decision("placement", "measured first step", {**data, "graphs_reserve_bytes": graphs})
-    session = types.SimpleNamespace(
-        options=types.SimpleNamespace(cuda_graphs="auto"), device=torch.device("cuda", 0), events=[refined]
-    )
+    session, _ = _reserve_session(inputs, blocks, streamed=())
+    session.events = []
+    if room is not None:
+        session.events.append(Decision("placement", "measured first step", {"graphs_reserve_bytes": room}))
     session.record = lambda kind, message, **d: session.events.append(Decision(kind, message, d))
+    session.model = None
     return session
 
 
+def test_blocks_within_takes_the_first_blocks_that_fit():
+    reserve = {4: 10, 1: 30, 2: 30, 7: 5}
+    assert blocks_within(reserve, 75) == [1, 2, 4, 7]
+    assert blocks_within(reserve, 70) == [
+        1,
+        2,
+        4,
+    ]  # stack order: block 7 would fit, but follows one that did not
+    assert blocks_within(reserve, 29) == []
+    assert blocks_within({}, 100) == []
+
+
 @pytest.mark.parametrize(
-    ("room", "moved", "graphs", "installed"),
+    ("room_blocks", "graphed"),
     [
-        (3.81, 3.14, 2.2, False),  # full1.5b at 24 GiB: the optimizer took the room (2.37 GiB headroom)
-        (3.81, 3.14, 0.47, True),  # the same with LoRA-sized buffers: within half the headroom
-        (9.42, 9.19, 1.34, True),  # lora110b on the whole device (13.88 GiB headroom)
+        (None, [0, 1, 2, 3]),  # no refinement ran: nothing measured bounds them
+        (4.5, [0, 1, 2, 3]),
+        (2.5, [0, 1]),  # full1.5b at 24 GiB: the optimizer took most of the room
+        (0, []),
     ],
 )
-def test_graphs_are_installed_only_where_their_buffers_fit(monkeypatch, room, moved, graphs, installed):
-    """The graphs come after the refinement only when the step that captures them would leave half the
-    headroom under the budget (what the capture-step check asks afterwards)."""
-    gib = 2**30
-    headroom = (13.88 if room > 9 else 2.37) * gib
-    session = _refined_session(int(room * gib), int(moved * gib), 0, int(headroom), int(graphs * gib))
-    calls = []
-    monkeypatch.setattr(graph_fit, "install_block_graphs", lambda s, o: calls.append(s))
-    graph_fit.with_block_graphs(session, None, None)()
-    assert bool(calls) == installed
-    if not installed:
-        assert "no block is graphed: their buffers (2.20 GiB) exceed" in session.events[-1].message
+def test_graphs_go_on_as_many_blocks_as_the_refinement_left_room_for(monkeypatch, room_blocks, graphed):
+    """After the refinement, graphs go on the graphable blocks whose buffers fit the room it left them
+    (before, full fine-tuning's graphs went on every block or, when they did not all fit, on none)."""
+    blocks = [nn.Linear(8, 8) for _ in range(4)]
+    per_block = 4 * 100 + (8 * 8 + 8) * 4  # four input-sized buffers and the block's gradients
+    room = None if room_blocks is None else int(room_blocks * per_block)
+    session = _refined_session(blocks, [100] * 4, room)
+    opt = types.SimpleNamespace(host_slots=lambda: [], _after_first_update=None)
+    made = []
+    monkeypatch.setattr(
+        graph_fit, "BlockGraphs", lambda s, chosen, foreign: made.append(sorted(chosen)) or object()
+    )
+    monkeypatch.setattr(graph_fit, "foreign_device_bytes", lambda *a: 0)
+    monkeypatch.setattr(graph_fit, "_over", lambda *a: (False, 0, 0))
+    session.extensions[0].activations.policies = ["recompute"] * 4
+    graph_fit.with_block_graphs(session, opt, None)()
+    assert made == ([graphed] if graphed else [])
+    message = session.events[-1].message
+    if graphed != [0, 1, 2, 3]:
+        left = [i for i in range(4) if i not in graphed]
+        assert (
+            f"blocks {'-'.join(map(str, (left[0], left[-1])))} stay eager: their buffers would exceed"
+            in message
+        )
+    if not graphed:
+        assert message.startswith("no block is graphed")
 
 
 def _capture_check(monkeypatch, room, captured=True, was_over=False):

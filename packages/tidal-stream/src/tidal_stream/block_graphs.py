@@ -53,7 +53,13 @@ from torch.utils.checkpoint import checkpoint
 from tidal_stream.kept_activations import block_ranges
 from tidal_stream.streamed_blocks import StreamingError
 
-__all__ = ["BlockGraphs", "graphable_blocks", "graphs_reserve_bytes"]
+__all__ = [
+    "BlockGraphs",
+    "blocks_within",
+    "graphable_blocks",
+    "graphs_reserve_by_block",
+    "graphs_reserve_bytes",
+]
 
 _WARMUP = 2  # eager passes before capture: lazy initialisations (cuBLAS handles, kernel choices) happen there
 _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -490,31 +496,50 @@ def _stack_extension(session: Any) -> Any:
 
 
 def graphs_reserve_bytes(session: Any, opt: Any | None = None) -> int:
-    """Device bytes the CUDA graphs of the resident blocks will add to a step, to leave out of the measured
-    refinement's room (see [Note: graphs' memory] in :mod:`tidal_stream.graph_fit`). Each captured block
-    keeps in the graphs' pool four buffers the size of its input (static input and output, output
+    """Device bytes the CUDA graphs of the resident blocks will add to a step (the sum of
+    :func:`graphs_reserve_by_block`)."""
+    return sum(graphs_reserve_by_block(session, opt).values())
+
+
+def graphs_reserve_by_block(session: Any, opt: Any | None = None) -> dict[int, int]:
+    """Device bytes each block's CUDA graphs will add to a step, by block index, to leave out of the
+    measured refinement's room (see [Note: graphs' memory] in :mod:`tidal_stream.graph_fit`). Each captured
+    block keeps in the graphs' pool four buffers the size of its input (static input and output, output
     gradient, input gradient) and the gradients of its trainable parameters, which its backward graph
     writes before they are added to ``.grad`` (full fine-tuning: the block's weights again).
 
     Counted for the blocks :func:`graphable_blocks` will graph given ``opt``'s placement (without ``opt``:
-    every block that does not stream its weights), inputs as measured in the first step; 0 when no graph
-    will be installed (``cuda_graphs=False``, not CUDA) or no input was measured (no block offloads or
-    recomputes)."""
+    every block that does not stream its weights), inputs as measured in the first step; empty when no
+    graph will be installed (``cuda_graphs=False``, not CUDA) or no input was measured (no block offloads
+    or recomputes)."""
     if session.options.cuda_graphs is False or session.device.type != "cuda":
-        return 0
+        return {}
     ext = _stack_extension(session)
     if ext is None or ext.activations is None:
-        return 0
+        return {}
     streamed = set(ext.weights.streamed) if ext.weights is not None else set()
     graphed = set(graphable_blocks(session, opt)[0]) if opt is not None else None
     inputs = ext.activations.stats()["block_input_bytes"]
-    total = 0
+    reserve = {}
     for i, n in enumerate(inputs):
         if i in streamed or (graphed is not None and i not in graphed):
             continue
         grads = sum(p.numel() * p.element_size() for p in ext.blocks[i].parameters() if p.requires_grad)
-        total += 4 * n + grads
-    return total
+        reserve[i] = 4 * n + grads
+    return reserve
+
+
+def blocks_within(reserve: dict[int, int], room: int) -> list[int]:
+    """The blocks of ``reserve`` (bytes by block index) to graph within ``room`` bytes: in stack order, as
+    many as fit. Every graphed block saves the same kind of launches, so the first ones are as good as any;
+    a partial set keeps the launches saved where all of full fine-tuning's graphs would not fit."""
+    chosen, used = [], 0
+    for i in sorted(reserve):
+        if used + reserve[i] > room:
+            break
+        chosen.append(i)
+        used += reserve[i]
+    return chosen
 
 
 def graphable_blocks(session: Any, opt: Any) -> tuple[dict[int, nn.Module], dict[str, list[int]]]:

@@ -9,7 +9,8 @@ more than the eager step that the refinement measured and sized. On the GPU mach
 captured (the refinement had sized 20.8 GiB), and the next step ran out of memory. Two measures:
 
 - the refinement keeps activations only in the room left after the graphs' buffers
-  (:func:`~tidal_stream.block_graphs.graphs_reserve_bytes`);
+  (:func:`~tidal_stream.block_graphs.graphs_reserve_by_block`), and the graphs go on as many blocks as
+  that room holds (:func:`graphs_room`; full fine-tuning's blocks hold their weights' gradients too);
 - the step that captured is measured like the first step (its peak of reserved bytes,
   :func:`~tidal_stream.placement.measured_room`); when it left less than half the refinement's headroom
   under the budget, the graphs go with their pool and every block runs eagerly from the next step,
@@ -21,17 +22,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tidal_stream.block_graphs import BlockGraphs, graphable_blocks
+from tidal_stream.block_graphs import BlockGraphs, blocks_within, graphable_blocks, graphs_reserve_by_block
 from tidal_stream.kept_activations import block_ranges
 from tidal_stream.placement import foreign_device_bytes, measured_room
 
-__all__ = ["check_capture_step", "install_block_graphs", "with_block_graphs"]
+__all__ = ["check_capture_step", "graphs_room", "install_block_graphs", "with_block_graphs"]
 
 
-def install_block_graphs(session: Any, opt: Any) -> BlockGraphs | None:
-    """CUDA graphs on the blocks that qualify (:func:`~tidal_stream.block_graphs.graphable_blocks`), logged
-    with why the others stay eager; None when no block qualifies."""
+def install_block_graphs(session: Any, opt: Any, room: int | None = None) -> BlockGraphs | None:
+    """CUDA graphs on the blocks that qualify (:func:`~tidal_stream.block_graphs.graphable_blocks`) and,
+    given ``room`` (bytes for their buffers), on as many of them as fit (:func:`blocks_within`), logged
+    with why the others stay eager; None when no block is graphed."""
     chosen, others = graphable_blocks(session, opt)
+    reserve = graphs_reserve_by_block(session, opt) if room is not None else {}
+    if reserve:  # measured inputs: the buffers are known, and only the blocks within the room are graphed
+        fit = set(blocks_within(reserve, room))
+        over = sorted(i for i in chosen if i not in fit)
+        if over:
+            others[
+                f"their buffers would exceed the {room / 2**30:.2f} GiB the measured refinement left them"
+            ] = over
+            chosen = {i: b for i, b in chosen.items() if i in fit}
     not_graphed = "; ".join(f"blocks {block_ranges(ix)} stay eager: {why}" for why, ix in others.items())
     if not chosen:
         session.record("graphs", "no block is graphed" + (f" ({not_graphed})" if not_graphed else ""))
@@ -96,26 +107,17 @@ def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs, was_over: bo
     )
 
 
-def _no_room_for_graphs(session: Any) -> str | None:
-    """Why the graphs' buffers that the measured refinement counted cannot fit, or None when they can.
+def graphs_room(session: Any) -> int | None:
+    """Bytes the measured refinement left for the CUDA graphs' buffers, or None when no refinement ran.
 
-    They fit when the step that captures them would still leave half the headroom under the budget, as
-    :func:`check_capture_step` asks afterwards: room left by the refinement (its room, less what it moved
-    to the device) + half the headroom >= the graphs' bytes. The refinement places the optimizer first
-    (worth more than the graphs' launch savings); full fine-tuning's graphs, which hold every graphed
-    block's weight gradients, may then not fit, and capturing them anyway ran out of memory."""
+    The refinement (:func:`~tidal_stream.placement.refine_after_first_step`) places the optimizer first
+    (worth more than the graphs' launch savings), then leaves room for the buffers of as many graphable
+    blocks as fit with the step that captures them still leaving half the headroom under the budget (what
+    :func:`check_capture_step` asks afterwards), then keeps activations in what is left. Full
+    fine-tuning's graphs hold every graphed block's weight gradients: capturing them all on full1.5b at
+    24 GiB ran out of memory, and the room may hold only some blocks."""
     refined = [e for e in session.events if e.kind == "placement" and "graphs_reserve_bytes" in e.data]
-    if not refined:
-        return None
-    d = refined[-1].data
-    need = d["graphs_reserve_bytes"]
-    left = d["room"] - d["device_bytes"] - d["activations_kept_bytes"] + d["headroom"] // 2
-    if not need or need <= left:
-        return None
-    return (
-        f"their buffers ({need / 2**30:.2f} GiB) exceed what the measured refinement left under the budget "
-        f"({max(left, 0) / 2**30:.2f} GiB with half the headroom); the room went to the optimizer"
-    )
+    return refined[-1].data["graphs_reserve_bytes"] if refined else None
 
 
 def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:
@@ -128,11 +130,7 @@ def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -
     def after() -> None:
         if then is not None:
             then()
-        short = _no_room_for_graphs(session)
-        if short:
-            session.record("graphs", f"no block is graphed: {short}")
-            return
-        graphs = install_block_graphs(session, opt)
+        graphs = install_block_graphs(session, opt, graphs_room(session))
         if graphs is not None:
             was_over = _over(session, graphs)[0]  # the peak before any capture
             opt._after_first_update = lambda: check_capture_step(session, opt, graphs, was_over)

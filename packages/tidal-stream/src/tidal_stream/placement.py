@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tidal_plan import spread_streamed
-from tidal_stream.block_graphs import graphs_reserve_bytes
+from tidal_stream.block_graphs import blocks_within, graphs_reserve_by_block
 from tidal_stream.device_share import (
     device_share,
     device_state_bytes,
@@ -333,7 +333,8 @@ def refine_after_first_step(
     ``step()``), a block that stops streaming its whole weights (as if the stream window stayed), and
     the device update's widening workspace grows with the largest moved tensor (:func:`device_share`).
     Activations are kept in what is left after the buffers of the CUDA graphs that follow this
-    refinement (:func:`~tidal_stream.block_graphs.graphs_reserve_bytes`).
+    refinement, on as many blocks as fit with half the headroom
+    (:func:`~tidal_stream.block_graphs.graphs_reserve_by_block`, :func:`~tidal_stream.graph_fit.graphs_room`).
 
     Args:
         session: the wrapping session.
@@ -354,8 +355,9 @@ def refine_after_first_step(
     )
     unstreamed = sorted(unstreamed + frozen)
     total += frozen_bytes
-    # CUDA graphs installed after this refinement hold buffers of their own (see graph_fit)
-    graphs = graphs_reserve_bytes(session, opt)
+    # CUDA graphs installed after this refinement hold buffers of their own, on the blocks they fit (graph_fit)
+    reserve = graphs_reserve_by_block(session, opt)
+    graphs = sum(reserve[i] for i in blocks_within(reserve, room - total + headroom // 2))
     # a given plan's activation choices stand, as its streamed blocks do
     kept, kept_bytes = ([], 0) if keep_streamed else keep_activations(session, room - total - graphs)
     host_left = sum(s.param.numel() for s in opt.host_slots())

@@ -108,6 +108,7 @@ ENGINE_VRAM = {
     "dynamic": "dynamic_vram",
     "tidal": "tidal_vram",
     "tidal-fp8": "tidal_vram",
+    "tidal-resident": "dynamic_vram",
     "offloaded": "offloaded_vram",
 }
 
@@ -174,7 +175,7 @@ def make_cache(engine: str, model: Any, max_tokens: int, page_tokens: int, slots
     return TidalCache(
         model,
         max_tokens,
-        resident_layers=n // 2,
+        resident_layers=n if engine == "tidal-resident" else n // 2,
         page_tokens=page_tokens,
         storage="fp8" if engine == "tidal-fp8" else "native",
         prefetch_slots=slots,

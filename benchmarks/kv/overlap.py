@@ -55,7 +55,8 @@ def summarize(events: Sequence[Ev], steps: int, wall_ms: float) -> dict[str, Any
     """Per-step figures of the profiled window (see the module docstring)."""
     dev = [e for e in events if e.device]
     copies = [e for e in dev if e.name.startswith("Memcpy HtoD")]
-    kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset"))]
+    # tidal's annotations also appear on the GPU's timeline (spanning the work they queued): not kernels
+    kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset", "tidal::"))]
     k_iv, c_iv = merged((e.start, e.end) for e in kernels), merged((e.start, e.end) for e in copies)
     busy = merged([*k_iv, *c_iv])
     span = (min(e.start for e in dev), max(e.end for e in dev)) if dev else (0.0, 0.0)

@@ -32,6 +32,7 @@ def test_summary_of_a_step_whose_copy_half_hides() -> None:
         ov.Ev("Memcpy HtoD (Pageable -> Device)", 8 * ms, 9 * ms, True, 9, corr=12),
         ov.Ev("cudaStreamSynchronize", 6 * ms, 9 * ms, False),
         ov.Ev("aten::mm", 0, 1 * ms, False),
+        ov.Ev("tidal::kv_gather", 2 * ms, 6 * ms, True, 9),  # an annotation on the GPU's timeline
     ]
     s = ov.summarize(evs, steps=1, wall_ms=10.0)
     assert s["kernel_ms"] == pytest.approx(4) and s["h2d_ms"] == pytest.approx(5)

@@ -50,7 +50,13 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
 
 from decode_worker import PREFIX, GiB, Shape, cases, estimate  # noqa: E402
 
-ENGINES = ("dynamic", "tidal", "tidal-fp8", "tidal-resident", "offloaded")  # run order: the slow offloaded cache last
+ENGINES = (
+    "dynamic",
+    "tidal",
+    "tidal-fp8",
+    "tidal-resident",
+    "offloaded",
+)  # run order: the slow offloaded cache last
 DEFAULT_ENGINES = ("dynamic", "tidal", "offloaded")
 #: seconds kept back for each later engine when giving an engine its deadline
 RESERVE_S = {"dynamic": 35.0, "tidal": 60.0, "tidal-fp8": 45.0, "tidal-resident": 35.0, "offloaded": 75.0}

@@ -598,19 +598,52 @@ def test_graphs_go_on_as_many_blocks_as_the_refinement_left_room_for(monkeypatch
         assert message.startswith("no block is graphed")
 
 
-def _capture_check(monkeypatch, room, captured=True, was_over=False):
-    """``check_capture_step`` over pretended graphs with ``measured_room`` giving ``room`` (headroom 100)."""
+def _capture_check(monkeypatch, room, captured=True, was_over=False, refined=None, retry=True):
+    """``check_capture_step`` over pretended graphs with ``measured_room`` giving ``room`` (headroom 100);
+    ``refined``: the data of the measured refinement's placement event (None: no refinement ran)."""
+    from tidal_stream.session import Decision
+
     blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
     session, events = _cpu_session("auto")
     session.extensions = []
+    session.events = [Decision("placement", "measured first step", refined)] if refined else []
     bg = _pretend_captured(session, blocks, torch.randn(2, 4))
     session.extensions.append(bg)
     if not captured:
         bg.graphs[1].fwd = None
     monkeypatch.setattr(graph_fit, "measured_room", lambda dev, foreign, budget: (900, 1000, room, 100))
     opt = types.SimpleNamespace(_after_first_update=None)
-    graph_fit.check_capture_step(session, opt, bg, was_over)
+    graph_fit.check_capture_step(session, opt, bg, was_over, retry)
     return bg, blocks, events, opt
+
+
+def test_released_graphs_come_back_once_on_the_blocks_their_measured_cost_fits(monkeypatch):
+    """The refinement left 100 bytes of room before the graphs (half the headroom: 50); the step that
+    captured both blocks left -300, so they cost 400 where 150 was allowed, 4x their estimate of 50 each.
+    With the margin, 0.8 x 150 / 400 of their estimate (30 bytes) fits no block; a cost of 160 (room -60)
+    fits one (0.8 x 150 / 160 x 100 = 75 bytes): block 0 is graphed again, checked once more without a retry."""
+    monkeypatch.setattr(graph_fit, "graphs_reserve_by_block", lambda s, o: {0: 50, 1: 50})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: None)
+    installed = []
+    monkeypatch.setattr(
+        graph_fit, "install_block_graphs", lambda s, o, room: installed.append(room) or "again"
+    )
+    refined = dict(room=300, device_bytes=200, activations_kept_bytes=0)
+    bg, _, events, opt = _capture_check(monkeypatch, room=-300, refined=refined)
+    assert bg.released is not None and not installed and "every block runs eagerly" in events[-1], events
+    bg, _, events, opt = _capture_check(monkeypatch, room=-60, refined=refined)
+    assert installed == [50] and bg.released is not None
+    assert "(1.6x their estimated buffers)" in events[-1] and "blocks 0 are graphed again" in events[-1], (
+        events
+    )
+    checks = []
+    monkeypatch.setattr(graph_fit, "check_capture_step", lambda *a, **k: checks.append((a[2], k)))
+    opt._after_first_update()
+    assert checks == [("again", {"retry": False})]
+    installed.clear()
+    _capture_check(monkeypatch, room=-60, refined=refined, retry=False)  # the second check: no third try
+    assert not installed
 
 
 def test_a_capture_step_with_half_the_headroom_left_keeps_the_graphs(monkeypatch):

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from tidal_stream.block_graphs import BlockGraphs, blocks_within, graphable_blocks, graphs_reserve_by_block
 from tidal_stream.kept_activations import block_ranges
 from tidal_stream.placement import foreign_device_bytes, measured_room
@@ -59,29 +61,34 @@ def install_block_graphs(session: Any, opt: Any, room: int | None = None) -> Blo
     return graphs
 
 
-def _over(session: Any, graphs: BlockGraphs) -> tuple[bool, int, int]:
-    """``(over, used, headroom)``: the peak of reserved bytes since the statistics' last reset left less
-    than half the headroom under the budget (or the device's usable memory)."""
+def _over(session: Any, graphs: BlockGraphs) -> tuple[bool, int, int, int]:
+    """``(over, used, headroom, room)``: the peak of reserved bytes since the statistics' last reset left
+    less than half the headroom under the budget (or the device's usable memory)."""
     _, used, room, headroom = measured_room(session.device, graphs.foreign, graphs.budget)
-    return room < -headroom // 2, used, headroom
+    return room < -headroom // 2, used, headroom, room
 
 
-def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs, was_over: bool = False) -> None:
+def check_capture_step(
+    session: Any, opt: Any, graphs: BlockGraphs, was_over: bool = False, retry: bool = True
+) -> None:
     """After an optimizer step: once ``graphs`` captured, measure that step (see [Note: graphs' memory]);
     before, check again after the next step (re-armed as the optimizer's after-update callback).
 
     The peak is the allocator's since its last reset (``wrap()`` resets it when a refinement follows the
-    first step; tidal never resets it later: callers' own readings stay valid). ``was_over``: that peak
-    was over already when the graphs came, so a peak over now says nothing of theirs: they stay."""
+    first step, and before a second capture on fewer blocks; callers' readings across those resets
+    lose the earlier peaks). ``was_over``: that peak was over already when the graphs came, so a peak
+    over now says nothing of theirs: they stay. ``retry``: graphs released here may come back once on
+    fewer blocks (:func:`_fewer_blocks`)."""
     if graphs not in session.extensions or graphs.released is not None:
         return  # unwrapped, or released already (a new input shape)
     states = [g.fwd is not None or g.failed is not None for g in graphs.graphs.values()]
     if not all(states):  # some block was not called by a training forward since the graphs came
-        opt._after_first_update = lambda: check_capture_step(session, opt, graphs, was_over)
+        opt._after_first_update = lambda: check_capture_step(session, opt, graphs, was_over, retry)
         return
-    if not any(g.fwd is not None for g in graphs.graphs.values()):
+    captured = sorted(i for i, g in graphs.graphs.items() if g.fwd is not None)
+    if not captured:
         return  # nothing was captured: nothing holds memory
-    over, used, headroom = _over(session, graphs)
+    over, used, headroom, room = _over(session, graphs)
     limit = f"{graphs.budget / 2**30:.2f} GiB budget" if graphs.budget is not None else "device"
     if not over or was_over:
         session.record(
@@ -99,12 +106,63 @@ def check_capture_step(session: Any, opt: Any, graphs: BlockGraphs, was_over: bo
         f"released: the step that captured them peaked at {used / 2**30:.2f} GiB reserved, less than "
         f"{headroom / 2 / 2**30:.2f} GiB (half the headroom) under the {limit}"
     )
+    fewer = _fewer_blocks(session, opt, captured, room, headroom) if retry else None
     session.record(
         "graphs",
-        f"CUDA graphs {graphs.released}: every block runs eagerly from the next step, as the measured "
-        "refinement sized it (wrap(..., cuda_graphs=False) skips the capture)",
+        f"CUDA graphs {graphs.released}: "
+        + (
+            fewer[1]
+            if fewer
+            else "every block runs eagerly from the next step, as the measured refinement sized it "
+            "(wrap(..., cuda_graphs=False) skips the capture)"
+        ),
         peak_reserved=used,
     )
+    if fewer:
+        session.extensions.remove(graphs)
+        torch.cuda.empty_cache()  # why: the released pool's memory goes back before the next capture is measured
+        torch.cuda.reset_peak_memory_stats(
+            session.device
+        )  # why: the next check reads the step capturing fewer
+        again = install_block_graphs(session, opt, fewer[0])
+        if again is not None:
+            opt._after_first_update = lambda: check_capture_step(session, opt, again, False, retry=False)
+
+
+#: the share of the measured graphs' cost per block that a second capture may take of the room
+_RETRY_MARGIN = 0.8
+
+
+def _fewer_blocks(
+    session: Any, opt: Any, captured: list[int], room: int, headroom: int
+) -> tuple[int, str] | None:
+    """After graphs were released for taking too much: the step that captured them measured what they
+    really cost (the refinement's room before them, less the room that step left). Graphs go once more on
+    as many blocks as that cost per block fits in the room with half the headroom (with a margin),
+    captured at the next step and checked after it for good. Returns ``(room for their estimated buffers,
+    what is done)``, or None (no refinement to compare with, or not even one block fits).
+
+    On the GPU machine full1.5b's 16 graphed blocks cost more than twice their estimated buffers, partly
+    outside the allocator (the graphs themselves); released, every block ran eagerly."""
+    refined = [e for e in session.events if e.kind == "placement" and "room" in e.data]
+    if not refined:
+        return None
+    d = refined[-1].data
+    before = d["room"] - d["device_bytes"] - d.get("activations_kept_bytes", 0)  # the eager steps' room
+    cost, allowed = before - room, before + headroom // 2
+    reserve = graphs_reserve_by_block(session, opt)
+    estimate = sum(reserve.get(i, 0) for i in captured)
+    if cost <= 0 or allowed <= 0 or not estimate:
+        return None
+    fit = blocks_within(reserve, int(estimate * _RETRY_MARGIN * allowed / cost))
+    if not fit:
+        return None
+    text = (
+        f"they cost {cost / 2**30:.2f} GiB for {len(captured)} blocks ({cost / estimate:.1f}x their estimated "
+        f"buffers) where {allowed / 2**30:.2f} GiB was left; blocks {block_ranges(fit)} are graphed again from "
+        "the next step, checked once more after it"
+    )
+    return sum(reserve[i] for i in fit), text
 
 
 def graphs_room(session: Any) -> int | None:

@@ -142,12 +142,15 @@ _RELEASED = "CUDA graphs released:"
 
 
 def _graphed_blocks(notes: str) -> str:
-    """The blocks a run replayed as CUDA graphs (from its "graphs" decision), "no", or the captured blocks
-    marked released when the capture-step check gave them up (the timed steps then ran eagerly)."""
-    m = _GRAPHED.search(notes)
-    if m is None:
+    """The blocks a run replayed as CUDA graphs (from its last "graphs" capture), "no", or the captured
+    blocks marked released when the capture-step check gave them up for good (the timed steps then ran
+    eagerly). Graphs released and captured again on fewer blocks count as the second capture."""
+    captures = list(_GRAPHED.finditer(notes))
+    if not captures:
         return "no"
-    return f"released ({m.group(1).strip()} captured)" if _RELEASED in notes else m.group(1).strip()
+    last = captures[-1]
+    blocks = last.group(1).strip()
+    return f"released ({blocks} captured)" if notes.find(_RELEASED, last.end()) >= 0 else blocks
 
 
 def prediction_table(rows: list[dict[str, Any]]) -> str:

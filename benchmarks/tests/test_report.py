@@ -182,6 +182,12 @@ def test_prediction_table_sets_the_logged_prediction_beside_the_measured_step():
     assert report.prediction_table(rows).splitlines()[2:] == [
         "| lora14b | tidal NF4 | 512 | released (0-47 captured) | 588 | 603 | 1.03 |"
     ]
+    # released, then captured again on fewer blocks: the second capture is what the timed steps replayed
+    rows[0]["engine_notes"].append("captured CUDA graphs of blocks 0-8 at input shape (1, 512, 5120): ...")
+    assert report.prediction_table(rows).splitlines()[2:] == [
+        "| lora14b | tidal NF4 | 512 | 0-8 | 588 | 603 | 1.03 |"
+    ]
+    rows[0]["engine_notes"].pop()
     rows[0]["engine_notes"].pop()
     assert report.prediction_table(rows[1:]) == ""
     doc = report.render_doc(rows, [], None)

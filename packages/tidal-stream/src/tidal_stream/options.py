@@ -165,8 +165,9 @@ class WrapOptions:
     """Replay CUDA graphs of the blocks that stay on the device and keep or recompute their activations,
     from the second step (``tidal_stream.block_graphs``): ``"auto"`` (default: on CUDA devices, single GPU;
     released at the first change of input shape), True (a CUDA device needed; kept for the first shape) or
-    False (for blocks whose forward depends on more than its arguments). Either way they are released when
-    the step that captured them left less than half the headroom under the budget
+    False (for blocks whose forward depends on more than its arguments). Either way they go on as many
+    blocks as the measured room holds, and are released when the step that captured them left less than
+    half the headroom under the budget, then tried once more on the blocks their measured cost fits
     (``tidal_stream.graph_fit``)."""
     distributed: bool | Literal["auto"] | DistributedConfig = "auto"
     """Data parallel (``tidal_stream.distributed``): ``"auto"`` when an initialized process group has more

@@ -8,6 +8,7 @@
 #   bash tools/gpu-bench.sh compare   # lora14b at 24 GiB, every engine side by side (needs .whl/, ~9 min)
 #   bash tools/gpu-bench.sh kv        # decode8b table, quantized-linear table (~5 min)
 #   bash tools/gpu-bench.sh kv-overlap  # profiled decode8b steps: do TidalCache's page copies overlap the decode? (~3 min)
+#   bash tools/gpu-bench.sh kv-interleaved  # decode8b's batch-1 engines stepped in turn in one process (~1 min)
 #   bash tools/gpu-bench.sh dp        # two GPUs: NCCL tests, peer copy rate, data-parallel scaling (~4 min)
 #   bash tools/gpu-bench.sh dp14b     # two GPUs: lora14b at 24 GiB, worlds 1 and 2, with the shared host copy; a 200-step soak (~6 min)
 #   bash tools/gpu-bench.sh dp8b      # two GPUs: full8b at 80 GiB, worlds 1 and 2 (~5 min)
@@ -69,6 +70,9 @@ case "${1:-}" in
   kv-overlap)
     step 150 kv-overlap.log -- python3 benchmarks/kv/overlap.py --context 32768 --batch 1
     step 150 kv-overlap.log -- python3 benchmarks/kv/overlap.py --context 4096 --batch 1 --engines tidal
+    ;;
+  kv-interleaved)
+    step 200 kv-interleaved.log -- python3 benchmarks/kv/interleaved.py --engines dynamic,tidal,tidal-resident,tidal-fp8 --context 4096 32768 --json "$out/kv-interleaved.jsonl"
     ;;
   dp)
     step 40 dp.log -- python3 benchmarks/distributed/peer_copy.py --json "$out/peer-copy.json"

@@ -1,0 +1,147 @@
+"""decode8b's engines stepped in turn in one process: ratios that the host's drift between processes cannot move.
+
+```bash
+python3 benchmarks/kv/interleaved.py --context 4096 32768 --batch 1   # the GPU machine, ~1 min
+python3 benchmarks/kv/interleaved.py --smoke                           # tiny Llama on the CPU (checks the script)
+```
+
+``decode.py`` runs each engine in its own process, one after the other. At batch 1 the decode step is
+bound by the host (Python and kernel launches), and on the GPU machine the same engine's step moved by
+tens of milliseconds between processes (DynamicCache 62-70 ms, TidalCache 76-122 ms at 4k x 1). Here one
+model serves every engine's cache (each filled as decode.py fills it), and each round runs one
+synchronized decode step of every engine, in an order that rotates round by round, so drift reaches
+every engine alike. Per engine: the median step, and its tokens/s against DynamicCache's in the same
+rounds. ``tidal-resident`` (TidalCache, every layer resident) is the cache's own cost without a copy.
+
+One JSON line per engine and context on stdout (``RESULT {...}``) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ (engines: the scenario)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+__all__ = ["main", "rounds"]
+
+
+def rounds(steppers: dict[str, Any], n: int, sync: Any) -> dict[str, list[float]]:
+    """``n`` rounds of one timed call of every stepper, the order rotated by one each round; seconds per call."""
+    names = list(steppers)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(n):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            sync()  # why: each call starts on an idle device, as each generate() step does
+            t0 = time.perf_counter()
+            steppers[name]()
+            sync()  # why: the step ends when its token is on the host
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every engine's cache filled to ``ctx`` tokens, stepped in turn; one row per engine."""
+    import torch
+    from decode_worker import fill, make_cache, release, step
+
+    cuda = model.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    caches = {e: make_cache(e, model, ctx + 1, args.page_tokens, args.slots) for e in engines}
+    toks = {}
+    for e, cache in caches.items():
+        fill(cache, model, args.batch, ctx - args.warmup - args.steps, seed=1)
+        toks[e] = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=model.device)
+
+    def stepper(e: str) -> Any:
+        def one() -> None:
+            toks[e] = step(model, caches[e], toks[e])
+
+        return one
+
+    steppers = {e: stepper(e) for e in engines}
+    rounds(steppers, args.warmup, sync)
+    times = rounds(steppers, args.steps, sync)
+    base = statistics.median(times["dynamic"]) if "dynamic" in times else None
+    rows = []
+    for e in engines:
+        med = statistics.median(times[e])
+        rows.append(
+            {
+                "engine": e,
+                "context": ctx,
+                "batch": args.batch,
+                "steps": len(times[e]),
+                "ms_per_step": 1e3 * med,
+                "ms_min": 1e3 * min(times[e]),
+                "ms_max": 1e3 * max(times[e]),
+                "tokens_per_s": args.batch / med,
+                "x_dynamic": base / med if base else None,
+            }
+        )
+    caches.clear()  # why: the K/V go before the next context is filled
+    steppers.clear()
+    release(cuda)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    lines = [
+        "| engine | context | batch | ms/step (median) | min-max ms | tokens/s | x dynamic, same rounds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        x = "-" if r["x_dynamic"] is None or r["engine"] == "dynamic" else f"{r['x_dynamic']:.2f}"
+        lines.append(
+            f"| {r['engine']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.1f} | "
+            f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="dynamic,tidal,tidal-resident", help="comma-separated (decode.py's)")
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds")
+    ap.add_argument("--steps", type=int, default=25, help="timed rounds")
+    ap.add_argument("--page-tokens", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 64-token context")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    import engines  # noqa: F401 - puts packages/*/src on the path
+    import torch
+    from decode import model_config
+    from decode_worker import build_model
+
+    if args.smoke:
+        args.context, args.page_tokens = [64], 16
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    model = build_model(model_config(args.smoke), device, torch.float32 if args.smoke else torch.bfloat16)
+    names = [e.strip() for e in args.engines.split(",")]
+    rows = []
+    for ctx in args.context:
+        with torch.no_grad():  # why: decoding as generate() does (the cache keeps no autograd history)
+            for row in run_context(model, names, ctx, args):
+                print("RESULT " + json.dumps(row), flush=True)
+                rows.append(row)
+    print(table(rows))
+    if args.json:
+        args.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

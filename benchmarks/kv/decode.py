@@ -26,7 +26,9 @@ missing cases become ``timeout`` rows. The table is always printed.
 
 Reading the result: a decode step of TidalCache must copy the offloaded layers' full pages over PCIe
 (``pcie_floor_ms`` at 55.4 GB/s). Where that floor exceeds DynamicCache's step time, 0.9x is out of
-reach by physics, not by overhead; the table shows the floor next to the measurement.
+reach by physics, not by overhead; the table shows the floor next to the measurement. At batch 1 the
+step is bound by the host, whose speed on the GPU machine moved by tens of milliseconds between
+processes: ``interleaved.py`` steps the engines in turn in one process for ratios that drift cannot move.
 """
 
 from __future__ import annotations

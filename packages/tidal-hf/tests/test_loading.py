@@ -315,8 +315,9 @@ def _over_budget_config():
 
 # 8 blocks (720 MB), the loss (384 MiB) and the stream window do not all fit, even with every block
 # recomputing. At 2 GiB they did: the plan then streamed nothing where it measured a slower link (40 GB/s),
-# and the GPU test failed in a suite run whose measured link was slow.
-_OVER_BUDGET = int(1.75 * 2**30)
+# and the GPU test failed in a suite run whose measured link was slow. At 1.75 GiB they fit under
+# transformers 5.24 (its smaller activation census), not under 4.57; 1.5 GiB streams blocks under both.
+_OVER_BUDGET = int(1.5 * 2**30)
 
 
 @pytest.mark.parametrize("link_gbps", [25.0, 40.0, 55.0])

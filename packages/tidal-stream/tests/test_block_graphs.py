@@ -629,7 +629,7 @@ def test_released_graphs_come_back_once_on_the_blocks_their_measured_cost_fits(m
     monkeypatch.setattr(
         graph_fit, "install_block_graphs", lambda s, o, room: installed.append(room) or "again"
     )
-    refined = dict(room=300, device_bytes=200, activations_kept_bytes=0)
+    refined = dict(room=300, device_bytes=200, activations_kept_bytes=0, graphs_reserve_bytes=100)
     bg, _, events, opt = _capture_check(monkeypatch, room=-300, refined=refined)
     assert bg.released is not None and not installed and "every block runs eagerly" in events[-1], events
     bg, _, events, opt = _capture_check(monkeypatch, room=-60, refined=refined)

@@ -13,8 +13,9 @@ captured (the refinement had sized 20.8 GiB), and the next step ran out of memor
   that room holds (:func:`graphs_room`; full fine-tuning's blocks hold their weights' gradients too);
 - the step that captured is measured like the first step (its peak of reserved bytes,
   :func:`~tidal_stream.placement.measured_room`); when it left less than half the refinement's headroom
-  under the budget, the graphs go with their pool and every block runs eagerly from the next step,
-  the step the refinement sized.
+  under the budget, the graphs go with their pool. That step measured what they really cost, so they
+  come back once on the blocks that cost fits (:func:`_fewer_blocks`); released again, or when not even
+  one block fits, every block runs eagerly from the next step, the step the refinement sized.
 """
 
 from __future__ import annotations
@@ -144,10 +145,9 @@ def _fewer_blocks(
 
     On the GPU machine full1.5b at 24 GiB: 16 graphed blocks cost 2.0-2.6 GiB (1.2-1.5x their estimated
     buffers) where 1.9 GiB was left, so they were released; graphed again, 9-11 blocks fit and stayed."""
-    refined = [e for e in session.events if e.kind == "placement" and "room" in e.data]
-    if not refined:
+    d = _refinement(session)
+    if d is None:
         return None
-    d = refined[-1].data
     before = d["room"] - d["device_bytes"] - d.get("activations_kept_bytes", 0)  # the eager steps' room
     cost, allowed = before - room, before + headroom // 2
     reserve = graphs_reserve_by_block(session, opt)
@@ -174,8 +174,14 @@ def graphs_room(session: Any) -> int | None:
     :func:`check_capture_step` asks afterwards), then keeps activations in what is left. Full
     fine-tuning's graphs hold every graphed block's weight gradients: capturing them all on full1.5b at
     24 GiB ran out of memory, and the room may hold only some blocks."""
+    d = _refinement(session)
+    return None if d is None else d["graphs_reserve_bytes"]
+
+
+def _refinement(session: Any) -> dict[str, Any] | None:
+    """The data of the measured refinement's placement decision (the last), or None when none ran."""
     refined = [e for e in session.events if e.kind == "placement" and "graphs_reserve_bytes" in e.data]
-    return refined[-1].data["graphs_reserve_bytes"] if refined else None
+    return refined[-1].data if refined else None
 
 
 def with_block_graphs(session: Any, opt: Any, then: Callable[[], None] | None) -> Callable[[], None] | None:

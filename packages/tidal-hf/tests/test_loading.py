@@ -332,9 +332,8 @@ def test_the_over_budget_case_streams_blocks_whatever_the_measured_link(link_gbp
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(_over_budget_config(), dtype=torch.bfloat16)
     stack = find_block_stack(model)
-    for (
-        t
-    ) in model.parameters():  # LoRA, as load_model plans it: the blocks' 1-D parameters stand in for adapters
+    # LoRA, as load_model plans it: the blocks' 1-D parameters stand in for the adapters
+    for t in model.parameters():
         t.requires_grad_(t.dim() == 1 and any(t is q for q in stack.parameters()))
     hw = HardwareProfile.synthetic(
         vram_budget_bytes=_OVER_BUDGET, h2d_gbps=link_gbps, d2h_gbps=link_gbps, host_update_params_per_s=1.1e9

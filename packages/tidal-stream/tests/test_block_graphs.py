@@ -24,7 +24,7 @@ from tidal_stream.block_graphs import (
     _signature,
     blocks_within,
     graphable_blocks,
-    graphs_reserve_bytes,
+    graphs_reserve_by_block,
 )
 from tidal_stream.errors import OptionError
 from tidal_testing.numerics import assert_bitwise_equal
@@ -513,13 +513,17 @@ def _reserve_session(inputs, blocks, streamed=(1,)):
 def test_graphs_reserve_four_input_sized_buffers_per_resident_block():
     blocks = [nn.Linear(4, 4).requires_grad_(False) for _ in range(4)]  # frozen: no gradient buffers
     session, ext = _reserve_session([100, 200, 300, 400], blocks)
-    assert graphs_reserve_bytes(session) == 4 * (100 + 300 + 400)  # block 1 streams: never graphed
+    assert graphs_reserve_by_block(session) == {
+        0: 4 * 100,
+        2: 4 * 300,
+        3: 4 * 400,
+    }  # block 1 streams: never graphed
     session.options.cuda_graphs = False
-    assert graphs_reserve_bytes(session) == 0
+    assert graphs_reserve_by_block(session) == {}
     session.options.cuda_graphs, session.device = "auto", torch.device("cpu")
-    assert graphs_reserve_bytes(session) == 0
+    assert graphs_reserve_by_block(session) == {}
     session.device, ext.activations = torch.device("cuda", 0), None
-    assert graphs_reserve_bytes(session) == 0  # no input measured
+    assert graphs_reserve_by_block(session) == {}  # no input measured
 
 
 def test_graphs_reserve_the_trained_weights_gradients_of_the_blocks_that_will_be_graphed():
@@ -529,10 +533,10 @@ def test_graphs_reserve_the_trained_weights_gradients_of_the_blocks_that_will_be
     blocks = [nn.Linear(8, 8) for _ in range(4)]  # trained: 8*8+8 fp32 parameters each
     grads = (8 * 8 + 8) * 4
     session, _ = _reserve_session([100, 200, 300, 400], blocks)
-    assert graphs_reserve_bytes(session) == 4 * (100 + 300 + 400) + 3 * grads
+    assert graphs_reserve_by_block(session) == {0: 4 * 100 + grads, 2: 4 * 300 + grads, 3: 4 * 400 + grads}
     host = types.SimpleNamespace(param=blocks[3].weight)  # block 3's optimizer stays on the host
     opt = types.SimpleNamespace(host_slots=lambda: [host])
-    assert graphs_reserve_bytes(session, opt) == 4 * (100 + 300) + 2 * grads
+    assert graphs_reserve_by_block(session, opt) == {0: 4 * 100 + grads, 2: 4 * 300 + grads}
 
 
 def _refined_session(blocks, inputs, room):

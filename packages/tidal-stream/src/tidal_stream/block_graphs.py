@@ -58,7 +58,6 @@ __all__ = [
     "blocks_within",
     "graphable_blocks",
     "graphs_reserve_by_block",
-    "graphs_reserve_bytes",
 ]
 
 _WARMUP = 2  # eager passes before capture: lazy initialisations (cuBLAS handles, kernel choices) happen there
@@ -493,12 +492,6 @@ def _draws_random(block: nn.Module) -> bool:
 def _stack_extension(session: Any) -> Any:
     """The extension over the block stack (weight streaming, activations, attention), or None."""
     return next((e for e in session.extensions if hasattr(e, "blocks") and hasattr(e, "activations")), None)
-
-
-def graphs_reserve_bytes(session: Any, opt: Any | None = None) -> int:
-    """Device bytes the CUDA graphs of the resident blocks will add to a step (the sum of
-    :func:`graphs_reserve_by_block`)."""
-    return sum(graphs_reserve_by_block(session, opt).values())
 
 
 def graphs_reserve_by_block(session: Any, opt: Any | None = None) -> dict[int, int]:

@@ -121,10 +121,10 @@ def check_capture_step(
     )
     if fewer:
         session.extensions.remove(graphs)
-        torch.cuda.empty_cache()  # why: the released pool's memory goes back before the next capture is measured
-        torch.cuda.reset_peak_memory_stats(
-            session.device
-        )  # why: the next check reads the step capturing fewer
+        # why: the released pool's memory goes back before the next capture is measured
+        torch.cuda.empty_cache()
+        # why: the next check reads the peak of the step that captures fewer blocks
+        torch.cuda.reset_peak_memory_stats(session.device)
         again = install_block_graphs(session, opt, fewer[0])
         if again is not None:
             opt._after_first_update = lambda: check_capture_step(session, opt, again, False, retry=False)
@@ -148,7 +148,7 @@ def _fewer_blocks(
     d = _refinement(session)
     if d is None:
         return None
-    before = d["room"] - d["device_bytes"] - d.get("activations_kept_bytes", 0)  # the eager steps' room
+    before = d["room"] - d["device_bytes"] - d["activations_kept_bytes"]  # the eager steps' room
     cost, allowed = before - room, before + headroom // 2
     reserve = graphs_reserve_by_block(session, opt)
     estimate = sum(reserve.get(i, 0) for i in captured)

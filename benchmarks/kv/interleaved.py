@@ -31,22 +31,100 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-__all__ = ["main", "rounds"]
+__all__ = ["StepClock", "main", "rounds", "split"]
 
 
-def rounds(steppers: dict[str, Any], n: int, sync: Any) -> dict[str, list[float]]:
-    """``n`` rounds of one timed call of every stepper, the order rotated by one each round; seconds per call."""
+#: ``--sdpa`` choices: the scaled_dot_product_attention backends allowed (None: torch's default order)
+SDPA_BACKENDS = {
+    "default": None,
+    "no-cudnn": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "flash": ("FLASH_ATTENTION",),
+}
+
+
+def sdpa_backends(choice: str) -> Any:
+    """A context allowing only ``SDPA_BACKENDS[choice]`` (a no-op for "default")."""
+    import contextlib
+
+    names = SDPA_BACKENDS[choice]
+    if names is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names])
+
+
+class StepClock:
+    """Per call of each stepper: wall time, host time to issue it, time waiting for the device, GC time.
+
+    A batch-1 decode step is bound by the host, and the same engine's step moved between a fast and a slow
+    regime within one run. The split says which side a slow step lost its time on: issuing (Python, launches,
+    blocking runtime calls), the final synchronization (copies or kernels still running), or Python's cyclic
+    garbage collector, which pauses whichever step happens to allocate past its threshold.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self.wall: dict[str, list[float]] = {k: [] for k in names}
+        self.issue: dict[str, list[float]] = {k: [] for k in names}
+        self.gc: dict[str, list[float]] = {k: [] for k in names}
+        self._gc_s = 0.0
+        self._gc_t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_t0
+
+    def time(self, name: str, call: Any, sync: Any) -> None:
+        """Time one call of ``call`` (``sync`` before and after) under ``name``."""
+        import gc
+
+        sync()  # why: each call starts on an idle device, as each generate() step does
+        self._gc_s = 0.0
+        gc.callbacks.append(self._on_gc)
+        try:
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            sync()  # why: the step ends when its token is on the host
+            t2 = time.perf_counter()
+        finally:
+            gc.callbacks.remove(self._on_gc)
+        self.wall[name].append(t2 - t0)
+        self.issue[name].append(t1 - t0)
+        self.gc[name].append(self._gc_s)
+
+
+def rounds(steppers: dict[str, Any], n: int, sync: Any) -> StepClock:
+    """``n`` rounds of one timed call of every stepper, the order rotated by one each round."""
     names = list(steppers)
-    times: dict[str, list[float]] = {k: [] for k in names}
+    clock = StepClock(names)
     for r in range(n):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            sync()  # why: each call starts on an idle device, as each generate() step does
-            t0 = time.perf_counter()
-            steppers[name]()
-            sync()  # why: the step ends when its token is on the host
-            times[name].append(time.perf_counter() - t0)
-    return times
+            clock.time(name, steppers[name], sync)
+    return clock
+
+
+def split(clock: StepClock, name: str) -> dict[str, float]:
+    """Median issue / wait / GC ms of ``name``'s steps, over all steps and over its slower half."""
+    wall, issue, gcs = clock.wall[name], clock.issue[name], clock.gc[name]
+    med = statistics.median(wall)
+    slow = [i for i, w in enumerate(wall) if w > med] or list(range(len(wall)))
+
+    def ms(values: list[float], idx: list[int]) -> float:
+        return 1e3 * statistics.median([values[i] for i in idx])
+
+    every = list(range(len(wall)))
+    wait = [w - i for w, i in zip(wall, issue)]
+    return {
+        "issue_ms": ms(issue, every),
+        "wait_ms": ms(wait, every),
+        "gc_ms_total": 1e3 * sum(gcs),
+        "slow_half_issue_ms": ms(issue, slow),
+        "slow_half_wait_ms": ms(wait, slow),
+    }
 
 
 def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -70,7 +148,8 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
 
     steppers = {e: stepper(e) for e in engines}
     rounds(steppers, args.warmup, sync)
-    times = rounds(steppers, args.steps, sync)
+    clock = rounds(steppers, args.steps, sync)
+    times = clock.wall
     base = statistics.median(times["dynamic"]) if "dynamic" in times else None
     rows = []
     for e in engines:
@@ -86,6 +165,7 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
                 "ms_max": 1e3 * max(times[e]),
                 "tokens_per_s": args.batch / med,
                 "x_dynamic": base / med if base else None,
+                **split(clock, e),
             }
         )
     caches.clear()  # why: the K/V go before the next context is filled
@@ -97,14 +177,17 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
     lines = [
-        "| engine | context | batch | ms/step (median) | min-max ms | tokens/s | x dynamic, same rounds |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| engine | context | batch | ms/step (median) | min-max ms | tokens/s | x dynamic, same rounds "
+        "| issue / wait ms (median) | slower half: issue / wait ms | GC ms (all steps) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         x = "-" if r["x_dynamic"] is None or r["engine"] == "dynamic" else f"{r['x_dynamic']:.2f}"
         lines.append(
             f"| {r['engine']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.1f} | "
-            f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} |"
+            f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} | "
+            f"{r['issue_ms']:.1f} / {r['wait_ms']:.1f} | {r['slow_half_issue_ms']:.1f} / {r['slow_half_wait_ms']:.1f} "
+            f"| {r['gc_ms_total']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -118,6 +201,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=25, help="timed rounds")
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument(
+        "--sdpa",
+        choices=list(SDPA_BACKENDS),
+        default="default",
+        help="attention backends torch may pick from (default: torch's own choice, cuDNN first on Hopper)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 64-token context")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -133,8 +222,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     names = [e.strip() for e in args.engines.split(",")]
     rows = []
     for ctx in args.context:
-        with torch.no_grad():  # why: decoding as generate() does (the cache keeps no autograd history)
+        # why: decoding as generate() does (the cache keeps no autograd history)
+        with torch.no_grad(), sdpa_backends(args.sdpa):
             for row in run_context(model, names, ctx, args):
+                row["sdpa"] = args.sdpa
                 print("RESULT " + json.dumps(row), flush=True)
                 rows.append(row)
     print(table(rows))

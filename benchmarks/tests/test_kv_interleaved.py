@@ -16,10 +16,32 @@ def test_rounds_rotate_the_order_and_time_every_call() -> None:
     order = []
     steppers = {name: (lambda n=name: order.append(n)) for name in ("a", "b", "c")}
     syncs = []
-    times = il.rounds(steppers, 3, lambda: syncs.append(1))
+    clock = il.rounds(steppers, 3, lambda: syncs.append(1))
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each engine first once
-    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert {k: len(v) for k, v in clock.wall.items()} == {"a": 3, "b": 3, "c": 3}
     assert len(syncs) == 2 * 9  # before and after every timed call
+
+
+def test_the_clock_splits_issue_wait_and_gc_time() -> None:
+    import gc
+    import time
+
+    def slow_sync() -> None:
+        time.sleep(0.02)  # stands in for the device finishing the step
+
+    def collecting() -> None:
+        gc.collect()  # a cyclic collection inside the step: counted as its GC time
+
+    calls = iter([0, 1])
+    clock = il.StepClock(["x", "y"])
+    clock.time("x", lambda: time.sleep(0.01), lambda: slow_sync() if next(calls, 1) else None)
+    clock.time("y", collecting, lambda: None)
+    assert 0.01 <= clock.issue["x"][0] < clock.wall["x"][0]
+    assert clock.wall["x"][0] - clock.issue["x"][0] >= 0.02  # the wait after the call
+    assert clock.gc["x"] == [0.0] and clock.gc["y"][0] > 0
+    s = il.split(clock, "x")
+    assert s["issue_ms"] >= 10 and s["wait_ms"] >= 20 and s["gc_ms_total"] == 0
+    assert clock._on_gc not in gc.callbacks  # the hook is removed after each step
 
 
 def test_cpu_smoke_run(tmp_path) -> None:
@@ -29,4 +51,5 @@ def test_cpu_smoke_run(tmp_path) -> None:
     assert [r["engine"] for r in rows] == ["dynamic", "tidal-resident"]
     assert all(r["steps"] == 2 and r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["x_dynamic"] == 1.0 and rows[1]["x_dynamic"] > 0
+    assert all(r["issue_ms"] > 0 and r["wait_ms"] >= 0 for r in rows)
     assert len(out.read_text().splitlines()) == 2

@@ -10,6 +10,7 @@ import torch
 
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
+from tidal_kv.storage import dequantize_fp8, quantize_fp8
 from tidal_kv.streams import profiled
 from tidal_testing import assert_sqnr, devices
 
@@ -129,19 +130,35 @@ def test_out_of_order_updates_still_exact():
 
 
 @pytest.mark.parametrize("device", devices())
-def test_decode_reuses_cached_gather_views_and_stays_exact(device, monkeypatch):
-    # two-page chunks: gathers span several runs; the views of a gather are built once per page range
-    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * 2 * 2 * 3 * 4 * 8 * 4)
-    cache = PagedKVCache(6, 24, resident_layers=2, page_tokens=4, prefetch_slots=2)
+@pytest.mark.parametrize("storage", ["native", "fp8"])
+def test_decode_reuses_cached_gather_views_and_stays_exact(device, storage, monkeypatch):
+    """Two-page chunks: gathers span several runs; the views of a gather are built once per page range.
+
+    Native pages are bit-exact; fp8 pages are exactly what quantize_fp8 + dequantize_fp8 make of each token
+    (the scales are per (token, head) row, so that does not depend on where the pages were cut), whichever
+    slot serves the layer and however many runs and chunks its gather took.
+    """
+    rows = 2 * 2 * 3 * 4  # (K/V, B, H, P) rows of one page
+    page_bytes = rows * 8 * 4 if storage == "native" else rows * 8 + rows * 4  # fp32, or e4m3 + fp32 scales
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * page_bytes)
+    cache = PagedKVCache(6, 24, resident_layers=2, page_tokens=4, prefetch_slots=2, storage=storage)
     g = torch.Generator().manual_seed(4)
     ref: dict[int, torch.Tensor] = {}
+
+    def expected(kv: torch.Tensor) -> torch.Tensor:  # [2, B, H, T, D] as the cache returns it
+        if storage == "native":
+            return kv
+        full = kv.shape[3] // 4 * 4
+        paged = dequantize_fp8(*quantize_fp8(kv[:, :, :, :full]), kv.dtype)
+        return torch.cat([paged, kv[:, :, :, full:]], dim=3)
 
     def step(n: int) -> None:  # n new tokens through every layer, checked against torch.cat
         for layer in range(6):
             kv = torch.randn(2, 2, 3, n, 8, generator=g).to(device)  # [2, B, H, n, D]
             ref[layer] = kv if layer not in ref else torch.cat([ref[layer], kv], dim=3)
             keys, values = cache.update(layer, kv[0], kv[1])
-            assert torch.equal(keys, ref[layer][0]) and torch.equal(values, ref[layer][1])
+            want = expected(ref[layer]) if layer in cache.offloaded_layers else ref[layer]
+            assert torch.equal(keys, want[0]) and torch.equal(values, want[1])
 
     def plans():
         return {(id(s), layer): runs for s in cache._slots for layer, (_, runs) in s.plans.items()}
@@ -307,8 +324,15 @@ def test_memory_report_accounts_for_every_buffer():
     mem = cache.memory()
     per_layer = 2 * 1 * 2 * 32 * 4 * 4  # K+V at capacity 32, fp32
     tails = 4 * 2 * 1 * 2 * 8 * 4 * 4
-    staging = 2 * 4 * 2 * 1 * 2 * 8 * 4 * 4  # two chunks of the 4 pages of the capacity
+    staging = 4 * 2 * 1 * 2 * 8 * 4 * 4  # one chunk of the 4 pages of the capacity, for the flushes
     assert mem["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + staging
+    # fp8 pages are also staged on the way in (e4m3 data + fp32 scales per row), to be dequantized there
+    fp8 = PagedKVCache(6, 32, resident_layers=2, page_tokens=8, storage="fp8")
+    for n in (17, 1):
+        for layer in range(6):
+            fp8.update(layer, torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
+    fp8_chunk = 4 * 2 * 1 * 2 * 8 * (4 * 1 + 4)
+    assert fp8.memory()["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + 2 * fp8_chunk
     assert mem["host_bytes"] == 4 * per_layer
     assert mem["host_pages"] == 4 * 2
     assert mem["all_resident_device_bytes"] == 6 * per_layer
@@ -356,8 +380,10 @@ def test_profiler_ranges_appear_only_while_profiling():
 
 
 @pytest.mark.gpu
-def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch):
-    cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, device="cuda")
+@pytest.mark.parametrize("storage", ["native", "fp8"])
+def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, storage):
+    """Native pages land in the slot in one strided copy; fp8 pages dequantize from staging in place."""
+    cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, device="cuda", storage=storage)
     k0 = torch.randn(2, 2, 70, 16, device="cuda")
     for layer in range(6):
         cache.update(layer, k0, k0)
@@ -377,9 +403,14 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch):
     assert before == after
     assert made == []
     ref = torch.cat([k0, one.expand(2, 2, 9, 16)], dim=2)
+    exact = 0 if storage == "native" else 64  # fp8: the first page went through e4m3, the tail did not
     for layer in range(6):
         k, v = cache.gather(layer)
-        assert torch.equal(k, ref) and torch.equal(v, ref)
+        assert torch.equal(k[:, :, exact:], ref[:, :, exact:]) and torch.equal(
+            v[:, :, exact:], ref[:, :, exact:]
+        )
+        if exact:
+            assert_sqnr(k[:, :, :exact].float().cpu(), ref[:, :, :exact].float().cpu(), 25.0)
 
 
 def test_kv_that_require_grad_are_refused_in_grad_mode():

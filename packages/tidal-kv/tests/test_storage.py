@@ -29,8 +29,9 @@ def test_host_pool_chunks_from_the_arena():
     pool.reserve(2 * size)
     a = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16, fp8=False))
     b = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.float16, fp8=True))
-    assert a.data.shape == (3, 2, 1, 2, 4, 8) and a.scale is None
-    assert b.data.dtype == FP8_DTYPE and b.scale.shape == (3, 2, 1, 2, 4, 1)
+    # laid out like the device K/V, [2, B, H, C·P, D]: a page run is evenly spaced rows on both sides
+    assert a.data.shape == (2, 1, 2, 3 * 4, 8) and a.scale is None
+    assert b.data.dtype == FP8_DTYPE and b.scale.shape == (2, 1, 2, 3 * 4, 1)
     a.data.fill_(1.5)
     b.data.view(torch.uint8).fill_(7)
     assert a.data.float().sum().item() == 1.5 * a.data.numel()  # the two chunks do not overlap

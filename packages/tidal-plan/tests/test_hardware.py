@@ -208,9 +208,31 @@ H200_FIGURES = {
     "matmul_tflops": 780.0,
     "hbm_gbps": 4200.0,
 }
-# Both directions at once depend on the host's root complex, not the card: 94 GB/s on the 16-core host the
-# machine README describes, 84 GB/s measured on the two-GPU host.
-H200_HOST16_BIDIR_GBPS = 94.0
+
+
+def _both_directions_gbps() -> float:
+    """H2D and D2H of 256 MiB at once (pinned, two streams), best of 5, timed by host clock around a sync."""
+    import time
+
+    n = 256 * MiB
+    host_in = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev_out = torch.ones(n, dtype=torch.uint8, device="cuda")
+    # why: one stream per direction, so the two copy engines run at once
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    best = float("inf")
+    for round_ in range(6):  # the first round warms both paths up and is not counted
+        torch.cuda.synchronize()  # why: nothing else may share the link while timing
+        t0 = time.perf_counter()
+        with torch.cuda.stream(up):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_out.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize()  # why: both copies must have finished before the clock stops
+        if round_:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n / best / 1e9
 
 
 @pytest.mark.gpu
@@ -245,8 +267,13 @@ def test_cuda_profile_matches_the_machine_figures(tmp_path, monkeypatch):
         assert p.has_fp8_tensor_cores and not p.has_fp4_tensor_cores
         # both directions at once beat either alone on any host, and never reach their sum
         assert max(p.h2d_gbps, p.d2h_gbps) < p.bidir_gbps < p.h2d_gbps + p.d2h_gbps
+        # Both directions at once moved with the host's state: the machine README measured 94 GB/s, suite runs
+        # of 2026-11-30 measured 78.3, 82.5 and 85.3 on the same kind of host. The profile's claim is that it
+        # measures this host now, so it is checked against an independent measurement taken right after it.
+        direct = _both_directions_gbps()
+        print(f"both directions: profile {p.bidir_gbps:.1f} GB/s, direct {direct:.1f} GB/s")
+        assert abs(p.bidir_gbps - direct) <= 0.10 * direct, (p.bidir_gbps, direct)
         if p.host_threads == 16:  # the host the machine README describes (16 cores)
-            assert abs(p.bidir_gbps - H200_HOST16_BIDIR_GBPS) <= 0.10 * H200_HOST16_BIDIR_GBPS
             # the machine README measured 3.7-4.3 G params/s; one of two suite runs of 2026-11-30 on such a
             # host measured 5.18 (the other stayed under 4.73): the rate varies by run, the band holds both
             assert 3.7e9 * 0.9 <= p.host_adamw_params_per_s <= 5.2e9 * 1.1

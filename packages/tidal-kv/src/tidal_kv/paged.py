@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from tidal_arena import copy_rows
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
 from tidal_kv.slots import Slot
 from tidal_kv.stats import KVStats
-from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk, quantize_fp8
+from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk
 from tidal_kv.streams import on, profiled, record, synchronize, wait
 
 logger = logging.getLogger(__name__)
@@ -198,10 +199,10 @@ class PagedKVCache:
         out = torch.empty(2, b, h, n, d, dtype=self._dtype, device=self._device)  # [2, B, H, T, D]
         for page in range(full):
             chunk, i = divmod(page, cp)
-            src = self._host[layer][chunk]
-            kv = src.data[i].to(self._device)  # [2, B, H, P, D]
+            src = self._host[layer][chunk].tokens(i * p, (i + 1) * p)
+            kv = src.data.to(self._device)  # [2, B, H, P, D]
             if self._fp8:
-                kv = dequantize_fp8(kv, src.scale[i].to(self._device), self._dtype)
+                kv = dequantize_fp8(kv, src.scale.to(self._device), self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
         out[:, :, :, full * p :].copy_(self._tails[layer][:, :, :, : n - full * p])
         return out[0], out[1]
@@ -355,7 +356,8 @@ class PagedKVCache:
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
         ) // self._chunk_pages
-        self._h2d_stage = device_chunk(self._chunk_layout, self._device)
+        # fp8 pages are dequantized on the device from a staging chunk; native pages need none
+        self._h2d_stage = device_chunk(self._chunk_layout, self._device) if self._fp8 else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
     def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -524,14 +526,20 @@ class PagedKVCache:
             # why: these host pages may still be in flight D2H; once waited for, stream order covers every
             # later gather of this layer, so the event is dropped (one wait per flush, not per step)
             wait(self._h2d, self._flush_done.pop(layer, None))
-            for run in slot.gather_runs(layer, first, pages, self._host[layer], self._h2d_stage):
-                run.stage.copy_(run.src, non_blocking=True)  # [m, 2, B, H, P, D]
-                if run.stage_perm is None:  # fp8 pages: dequantize on the device, then permute
-                    run.stage_scale.copy_(run.src_scale, non_blocking=True)
-                    kv = dequantize_fp8(run.stage, run.stage_scale, self._dtype)  # [m, 2, B, H, P, D]
-                    run.dst.copy_(kv.permute(1, 2, 3, 0, 4, 5))  # into [2, B, H, m, P, D]
+            runs = slot.gather_runs(
+                layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
+            )
+            for run in runs:
+                if run.stage is None:
+                    # native pages: the host rows land straight in the slot's token range, one strided copy
+                    copy_rows(run.dst, run.src.data, 3, self._h2d)
                 else:
-                    run.dst.copy_(run.stage_perm)
+                    # fp8 pages land in staging, then dequantize into the slot: the e4m3 -> K/V dtype copy is
+                    # exact and the fp32 multiply rounds once, which is dequantize_fp8's result in two kernels
+                    copy_rows(run.stage.data, run.src.data, 3, self._h2d)
+                    copy_rows(run.stage.scale, run.src.scale, 3, self._h2d)
+                    run.dst.copy_(run.stage.data)
+                    run.dst.mul_(run.stage.scale)
                 self.stats.h2d_bytes += run.m * self._page_bytes
             # why: the compute stream waits on this before reading the slot
             slot.ready = slot.ready_ev = record(self._h2d, slot.ready_ev)
@@ -543,7 +551,6 @@ class PagedKVCache:
         """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""
         with profiled("tidal::kv_flush"):
             self._ensure_host_pages(layer, last)
-            b, h, d = self._shape
             p, cp = self.config.page_tokens, self._chunk_pages
             compute, stage = self._compute(), self._d2h_stage
             page = first
@@ -551,24 +558,17 @@ class PagedKVCache:
                 chunk, i0 = divmod(page, cp)
                 m = min(cp - i0, last - page)
                 wait(compute, self._d2h_free)  # why: the previous D2H copy may still read the staging chunk
-                for j, src in enumerate((slot.k, slot.v)):
-                    pages_kv = src[:, :, page * p : (page + m) * p].view(b, h, m, p, d).permute(2, 0, 1, 3, 4)
-                    if self._fp8:
-                        q, sc = quantize_fp8(pages_kv)  # [m, B, H, P, D], [m, B, H, P, 1]
-                        stage.data[:m, j].copy_(q)
-                        stage.scale[:m, j].copy_(sc)
-                        # the slot now holds what a later gather returns, whichever slot serves the layer next
-                        pages_kv.copy_(dequantize_fp8(q, sc, self._dtype))
-                    else:
-                        stage.data[:m, j].copy_(pages_kv)  # [m, B, H, P, D]
+                pages_kv = slot.kv[:, :, :, page * p : (page + m) * p]  # [2, B, H, m·P, D]
+                staged = stage.packed(m * p)
+                staged.store(pages_kv)
                 # why: the D2H copy must not read the staging chunk before it is filled
                 filled = record(compute)
-                dst = self._host[layer][chunk]
+                dst = self._host[layer][chunk].tokens(i0 * p, (i0 + m) * p)
                 with on(self._d2h):  # why: the page drains while the compute stream carries on
                     wait(self._d2h, filled)  # why: see `filled`
-                    dst.data[i0 : i0 + m].copy_(stage.data[:m], non_blocking=True)
+                    copy_rows(dst.data, staged.data, 3, self._d2h)
                     if self._fp8:
-                        dst.scale[i0 : i0 + m].copy_(stage.scale[:m], non_blocking=True)
+                        copy_rows(dst.scale, staged.scale, 3, self._d2h)
                     # why: the staging chunk is reusable, and these host pages readable, once this copy finished
                     self._d2h_free = record(self._d2h)
                 self._flush_done[layer] = self._d2h_free

@@ -1,9 +1,9 @@
 """Device gather slots of :class:`~tidal_kv.PagedKVCache` and the cached views of their page gathers.
 
 A decode step gathers every offloaded layer's full pages ``[0, pages)`` again, with the same tensors as the
-step before until a page fills. Building the dozen views of such a gather (host chunk range, staging range,
-slot range, permutation) costs more host time than issuing its two copies, so each slot keeps the views of
-its last gather per layer (:class:`GatherRun`) and rebuilds them only when the page range changes.
+step before until a page fills. Building the views of such a gather (host chunk range, slot range, staging
+range for fp8) costs more host time than issuing its copy, so each slot keeps the views of its last gather
+per layer (:class:`GatherRun`) and rebuilds them only when the page range changes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tidal_kv.storage import PageChunk
+from tidal_kv.storage import ChunkLayout, PageChunk
 
 
 class GatherRun(NamedTuple):
@@ -21,18 +21,13 @@ class GatherRun(NamedTuple):
 
     m: int
     """Pages in the run."""
-    stage: torch.Tensor
-    """``[m, 2, B, H, P, D]`` staging range the host pages land in (storage dtype)."""
-    src: torch.Tensor
-    """``[m, 2, B, H, P, D]`` host page range (storage dtype)."""
-    stage_scale: torch.Tensor | None
-    """``[m, 2, B, H, P, 1]`` staging scales (fp8 storage), else None."""
-    src_scale: torch.Tensor | None
-    """``[m, 2, B, H, P, 1]`` host scales (fp8 storage), else None."""
+    src: PageChunk
+    """``[2, B, H, m·P, D]`` host page range (storage dtype; scales for fp8 storage)."""
     dst: torch.Tensor
-    """``[2, B, H, m, P, D]`` the slot's token range of these pages."""
-    stage_perm: torch.Tensor | None
-    """``stage`` permuted to ``dst``'s order (native storage: the copy source), else None."""
+    """``[2, B, H, m·P, D]`` the slot's token range of these pages."""
+    stage: PageChunk | None
+    """fp8 storage: ``[2, B, H, m·P, D]`` contiguous staging the host pages land in before they are
+    dequantized into ``dst``; None for native storage, whose pages land in ``dst`` directly."""
 
 
 @dataclass(eq=False)
@@ -61,16 +56,23 @@ class Slot:
         self.k, self.v = self.kv.unbind(0)
 
     def gather_runs(
-        self, layer: int, first: int, pages: int, chunks: list[PageChunk], stage: PageChunk
+        self,
+        layer: int,
+        first: int,
+        pages: int,
+        chunks: list[PageChunk],
+        layout: ChunkLayout,
+        stage: PageChunk | None,
     ) -> list[GatherRun]:
-        """The runs that gather ``layer``'s pages ``[first, pages)`` from ``chunks`` via ``stage`` into this slot.
+        """The runs that gather ``layer``'s pages ``[first, pages)`` from ``chunks`` into this slot.
 
         Args:
             layer: The offloaded layer (the cache key, with the page range).
             first: First page to gather.
             pages: One past the last page.
-            chunks: The layer's host chunks, ``[C, 2, B, H, P, D]`` each (only ever appended to).
-            stage: The device staging chunk (same layout).
+            chunks: The layer's host chunks, ``[2, B, H, C·P, D]`` each (only ever appended to).
+            layout: Their layout (pages per chunk, tokens per page).
+            stage: fp8 storage: the device staging chunk the pages land in before dequantization; else None.
 
         Returns:
             The runs in page order; cached, so the same range returns the same views without rebuilding them.
@@ -79,25 +81,18 @@ class Slot:
         hit = self.plans.get(layer)
         if hit is not None and hit[0] == key:
             return hit[1]
-        cp, _, b, h, p, d = stage.data.shape
+        p, cp = layout.page_tokens, layout.chunk_pages
         runs = []
         page = first
         while page < pages:
             chunk, i0 = divmod(page, cp)
             m = min(cp - i0, pages - page)
-            src = chunks[chunk]
-            st = stage.data[:m]  # [m, 2, B, H, P, D]
-            fp8 = stage.scale is not None
             runs.append(
                 GatherRun(
                     m=m,
-                    stage=st,
-                    src=src.data[i0 : i0 + m],
-                    stage_scale=stage.scale[:m] if fp8 else None,
-                    src_scale=src.scale[i0 : i0 + m] if fp8 else None,
-                    # the slot range as [2, B, H, m, P, D]; the pages (K and V) permute into it in one copy
-                    dst=self.kv[:, :, :, page * p : (page + m) * p].view(2, b, h, m, p, d),
-                    stage_perm=None if fp8 else st.permute(1, 2, 3, 0, 4, 5),
+                    src=chunks[chunk].tokens(i0 * p, (i0 + m) * p),
+                    dst=self.kv[:, :, :, page * p : (page + m) * p],
+                    stage=stage.packed(m * p) if stage is not None else None,
                 )
             )
             page += m

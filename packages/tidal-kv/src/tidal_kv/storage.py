@@ -1,8 +1,9 @@
 """Host page blocks (from the tidal-arena pinned arena) and the FP8 page format.
 
-A *chunk* is ``chunk_pages`` pages of one offloaded layer laid out page-major,
-``[chunk_pages, 2 (K/V), B, H, page_tokens, D]``, so that any run of full pages inside a chunk moves
-host<->device as one contiguous copy; the device side permutes it into ``[B, H, T, D]``.
+A *chunk* is ``chunk_pages`` pages of one offloaded layer laid out like the device K/V,
+``[2 (K/V), B, H, chunk_pages · page_tokens, D]``: any run of full pages inside a chunk is ``2·B·H`` evenly
+spaced rows on both sides, so it moves host<->device in one strided copy (:func:`tidal_arena.copy_rows`)
+straight into a device slot's token range, with no staging buffer and no permute on the device.
 """
 
 from __future__ import annotations
@@ -48,9 +49,35 @@ class PageChunk:
     """One host (or device-staging) chunk: page data plus, for FP8, per-row scales."""
 
     data: torch.Tensor
-    """``[C, 2, B, H, P, D]`` in the K/V dtype ("native") or float8_e4m3fn ("fp8")."""
+    """``[2, B, H, C·P, D]`` in the K/V dtype ("native") or float8_e4m3fn ("fp8")."""
     scale: torch.Tensor | None
-    """``[C, 2, B, H, P, 1]`` float32 for "fp8", else None."""
+    """``[2, B, H, C·P, 1]`` float32 for "fp8", else None."""
+
+    def tokens(self, start: int, stop: int) -> PageChunk:
+        """The token range ``[start, stop)`` of every (K/V, sequence, head) row: evenly spaced rows."""
+        scale = self.scale[:, :, :, start:stop] if self.scale is not None else None
+        return PageChunk(self.data[:, :, :, start:stop], scale)
+
+    def store(self, kv: torch.Tensor) -> None:
+        """Fill this (device staging) chunk from ``kv`` ``[2, B, H, T, D]`` of its shape, in its format.
+
+        For fp8 storage ``kv`` is then overwritten with what the stored pages dequantize to, so a slot holds
+        what a later gather of these pages returns, whichever slot serves the layer next.
+        """
+        if self.scale is None:
+            self.data.copy_(kv)
+            return
+        q, scale = quantize_fp8(kv)  # [2, B, H, T, D], [2, B, H, T, 1]
+        self.data.copy_(q)
+        self.scale.copy_(scale)
+        kv.copy_(dequantize_fp8(q, scale, kv.dtype))
+
+    def packed(self, tokens: int) -> PageChunk:
+        """``[2, B, H, tokens, D]`` (and scales) packed at the start of this buffer: a contiguous staging view."""
+        two, b, h, _, d = self.data.shape
+        n = two * b * h * tokens
+        scale = self.scale.view(-1)[:n].view(two, b, h, tokens, 1) if self.scale is not None else None
+        return PageChunk(self.data.view(-1)[: n * d].view(two, b, h, tokens, d), scale)
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +108,9 @@ class ChunkLayout:
     """Store e4m3 + fp32 per-row scales instead of ``dtype``."""
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        """``[C, 2 (K/V), B, H, P, D]``."""
-        return (self.chunk_pages, 2, self.batch, self.heads, self.page_tokens, self.head_dim)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``[2 (K/V), B, H, C·P, D]``."""
+        return (2, self.batch, self.heads, self.chunk_pages * self.page_tokens, self.head_dim)
 
     @property
     def store_dtype(self) -> torch.dtype:

@@ -211,9 +211,11 @@ H200_FIGURES = {
 
 
 def _both_directions_gbps() -> float:
-    """H2D and D2H of 256 MiB at once (pinned, two streams), best of 5, timed by host clock around a sync."""
-    import time
+    """H2D and D2H of 256 MiB at once (pinned, one stream each), best of 5, timed on the device.
 
+    Both copies are queued behind a device-side sleep before either can start, so a busy host issuing the
+    second copy late cannot serialize them; the time runs from the gate opening to the later copy's end.
+    """
     n = 256 * MiB
     host_in = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -224,14 +226,20 @@ def _both_directions_gbps() -> float:
     best = float("inf")
     for round_ in range(6):  # the first round warms both paths up and is not counted
         torch.cuda.synchronize()  # why: nothing else may share the link while timing
-        t0 = time.perf_counter()
-        with torch.cuda.stream(up):
-            dev_in.copy_(host_in, non_blocking=True)
-        with torch.cuda.stream(down):
-            host_out.copy_(dev_out, non_blocking=True)
-        torch.cuda.synchronize()  # why: both copies must have finished before the clock stops
+        torch.cuda._sleep(20_000_000)  # ~10 ms on the device: both copies are queued before the gate opens
+        gate = torch.cuda.Event(enable_timing=True)
+        gate.record()  # why: both copies wait for it, and the time is measured from it
+        ends = []
+        for stream, dst, src in ((up, dev_in, host_in), (down, host_out, dev_out)):
+            stream.wait_event(gate)  # why: see `gate`
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)  # why: this direction's copy finished
+            ends.append(end)
+        torch.cuda.synchronize()  # why: every event must have completed before reading times
         if round_:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, max(gate.elapsed_time(e) for e in ends) / 1e3)
     return 2 * n / best / 1e9
 
 

@@ -11,7 +11,7 @@ from tidal_arena.arena import ArenaStats, Block, EventLike, PinnedArena, arena_s
 from tidal_arena.config import ArenaConfig, memlock_limit_bytes, physical_ram_bytes
 from tidal_arena.errors import ArenaError, ArenaExhausted, PageLockLimitError
 from tidal_arena.pin import is_registered, pin_, unpin_
-from tidal_arena.rows import Rows, copy_rows, rows_of
+from tidal_arena.rows import RowCopy, Rows, copy_rows, rows_of
 from tidal_arena.staging import StagingRing
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "EventLike",
     "PageLockLimitError",
     "PinnedArena",
+    "RowCopy",
     "Rows",
     "StagingRing",
     "__version__",

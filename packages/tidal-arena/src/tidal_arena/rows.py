@@ -83,36 +83,47 @@ def _cuda_runtime() -> Any:
     return _runtime
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, lead: int, stream: Any = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype), both seen as rows by :func:`rows_of`.
+class RowCopy:
+    """A copy of ``src`` into ``dst`` (same shape and dtype, both rows by :func:`rows_of`), checked once.
 
-    Between host and CUDA memory with CuPy present, this is one ``cudaMemcpy2DAsync`` on ``stream`` (a
-    ``torch.cuda.Stream``; None: the current stream), asynchronous when the host side is page-locked.
-    Anywhere else (CPU to CPU, no CuPy, a pitch too large) it is ``dst.copy_(src)`` on ``stream``.
+    Calling it issues the copy: between host and CUDA memory with CuPy present, one ``cudaMemcpy2DAsync`` on
+    ``stream`` (a ``torch.cuda.Stream``; None: the current stream), asynchronous when the host side is
+    page-locked. Anywhere else (CPU to CPU, no CuPy, a pitch too large) it is ``dst.copy_(src)`` on
+    ``stream``. A decode loop that moves the same views every step builds the copy once and calls it.
 
     Raises:
         ValueError: shapes or dtypes differ, or a side is not rows (see :func:`rows_of`).
     """
-    if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise ValueError(
-            f"copy_rows needs the same shape and dtype: dst {tuple(dst.shape)} {dst.dtype}, "
-            f"src {tuple(src.shape)} {src.dtype}"
-        )
-    d, s = rows_of(dst, lead), rows_of(src, lead)
-    runtime = _cuda_runtime() if (dst.is_cuda != src.is_cuda) else None
-    if runtime is None or max(d.pitch, s.pitch) > _MAX_PITCH or d.count * d.width == 0:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dst.copy_(src, non_blocking=True)
-        return
-    if stream is None:
-        stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
-    runtime.memcpy2DAsync(
-        dst.data_ptr(),
-        d.pitch,
-        src.data_ptr(),
-        s.pitch,
-        d.width,
-        d.count,
-        _MEMCPY_DEFAULT,
-        stream.cuda_stream,
-    )
+
+    __slots__ = ("_args", "_device", "_runtime", "dst", "src")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, lead: int) -> None:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(
+                f"copy_rows needs the same shape and dtype: dst {tuple(dst.shape)} {dst.dtype}, "
+                f"src {tuple(src.shape)} {src.dtype}"
+            )
+        d, s = rows_of(dst, lead), rows_of(src, lead)
+        self.dst, self.src = dst, src
+        runtime = _cuda_runtime() if dst.is_cuda != src.is_cuda else None
+        if runtime is not None and (max(d.pitch, s.pitch) > _MAX_PITCH or d.count * d.width == 0):
+            runtime = None
+        self._runtime = runtime
+        # the memcpy2D arguments before the stream: dst, dpitch, src, spitch, width, height, kind
+        self._args = (dst.data_ptr(), d.pitch, src.data_ptr(), s.pitch, d.width, d.count, _MEMCPY_DEFAULT)
+        self._device = dst.device if dst.is_cuda else src.device
+
+    def __call__(self, stream: Any = None) -> None:
+        """Issue the copy on ``stream`` (None: the current stream)."""
+        if self._runtime is None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.dst.copy_(self.src, non_blocking=True)
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+        self._runtime.memcpy2DAsync(*self._args, stream.cuda_stream)
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, lead: int, stream: Any = None) -> None:
+    """Copy ``src`` into ``dst`` once: ``RowCopy(dst, src, lead)(stream)`` (see :class:`RowCopy`)."""
+    RowCopy(dst, src, lead)(stream)

@@ -520,8 +520,7 @@ class PagedKVCache:
         first = slot.pages
         if pages <= first:
             return 0
-        # why: on the H2D stream, so the copy runs while the compute stream works on earlier layers
-        with profiled("tidal::kv_gather"), on(self._h2d):
+        with profiled("tidal::kv_gather"):
             wait(self._h2d, slot.free_after)  # why: the compute stream may still read the previous owner
             # why: these host pages may still be in flight D2H; once waited for, stream order covers every
             # later gather of this layer, so the event is dropped (one wait per flush, not per step)
@@ -530,16 +529,15 @@ class PagedKVCache:
                 layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
             )
             for run in runs:
-                if run.stage is None:
-                    # native pages: the host rows land straight in the slot's token range, one strided copy
-                    copy_rows(run.dst, run.src.data, 3, self._h2d)
-                else:
-                    # fp8 pages land in staging, then dequantize into the slot: the e4m3 -> K/V dtype copy is
-                    # exact and the fp32 multiply rounds once, which is dequantize_fp8's result in two kernels
-                    copy_rows(run.stage.data, run.src.data, 3, self._h2d)
-                    copy_rows(run.stage.scale, run.src.scale, 3, self._h2d)
-                    run.dst.copy_(run.stage.data)
-                    run.dst.mul_(run.stage.scale)
+                for copy in run.copies:
+                    copy(self._h2d)  # why: on the H2D stream, so it runs while the compute stream works
+                if run.stage is not None:
+                    # why: the dequantization reads the staging the copies above fill: same stream, in order.
+                    # The e4m3 -> K/V dtype copy is exact and the fp32 multiply rounds once: dequantize_fp8's
+                    # result in two kernels, without temporaries
+                    with on(self._h2d):
+                        run.dst.copy_(run.stage.data)
+                        run.dst.mul_(run.stage.scale)
                 self.stats.h2d_bytes += run.m * self._page_bytes
             # why: the compute stream waits on this before reading the slot
             slot.ready = slot.ready_ev = record(self._h2d, slot.ready_ev)

@@ -13,21 +13,23 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tidal_arena import RowCopy
 from tidal_kv.storage import ChunkLayout, PageChunk
 
 
 class GatherRun(NamedTuple):
-    """One contiguous run of ``m`` pages of a gather (inside one host chunk): the views its copies use."""
+    """One contiguous run of ``m`` pages of a gather (inside one host chunk): its views and copies."""
 
     m: int
     """Pages in the run."""
-    src: PageChunk
-    """``[2, B, H, m·P, D]`` host page range (storage dtype; scales for fp8 storage)."""
     dst: torch.Tensor
     """``[2, B, H, m·P, D]`` the slot's token range of these pages."""
     stage: PageChunk | None
     """fp8 storage: ``[2, B, H, m·P, D]`` contiguous staging the host pages land in before they are
     dequantized into ``dst``; None for native storage, whose pages land in ``dst`` directly."""
+    copies: tuple[RowCopy, ...]
+    """The host-to-device copies of the run, checked once: the pages (into ``dst`` or ``stage``), then for
+    fp8 storage their scales."""
 
 
 @dataclass(eq=False)
@@ -87,14 +89,14 @@ class Slot:
         while page < pages:
             chunk, i0 = divmod(page, cp)
             m = min(cp - i0, pages - page)
-            runs.append(
-                GatherRun(
-                    m=m,
-                    src=chunks[chunk].tokens(i0 * p, (i0 + m) * p),
-                    dst=self.kv[:, :, :, page * p : (page + m) * p],
-                    stage=stage.packed(m * p) if stage is not None else None,
-                )
-            )
+            src = chunks[chunk].tokens(i0 * p, (i0 + m) * p)
+            dst = self.kv[:, :, :, page * p : (page + m) * p]
+            if stage is None:  # native pages: the host rows land straight in the slot's token range
+                runs.append(GatherRun(m, dst, None, (RowCopy(dst, src.data, 3),)))
+            else:
+                staged = stage.packed(m * p)
+                copies = (RowCopy(staged.data, src.data, 3), RowCopy(staged.scale, src.scale, 3))
+                runs.append(GatherRun(m, dst, staged, copies))
             page += m
         self.plans[layer] = (key, runs)
         return runs

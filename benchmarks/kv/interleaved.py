@@ -13,6 +13,11 @@ synchronized decode step of every engine, in an order that rotates round by roun
 every engine alike. Per engine: the median step, and its tokens/s against DynamicCache's in the same
 rounds. ``tidal-resident`` (TidalCache, every layer resident) is the cache's own cost without a copy.
 
+Attention runs without cuDNN's backend by default (``--sdpa no-cudnn``): cuDNN builds a graph for each new
+sequence length and K/V stride, tens of milliseconds of host time per step, and engines in one process
+share those graphs when their lengths and strides match (the TidalCache engines do, DynamicCache does
+not), so with it the ratios would measure the order of the engines in each round.
+
 One JSON line per engine and context on stdout (``RESULT {...}``) and a table.
 """
 
@@ -204,8 +209,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument(
         "--sdpa",
         choices=list(SDPA_BACKENDS),
-        default="default",
-        help="attention backends torch may pick from (default: torch's own choice, cuDNN first on Hopper)",
+        default="no-cudnn",
+        help="attention backends torch may pick from; 'default' is torch's own order (cuDNN first on Hopper)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 64-token context")
     ap.add_argument("--json", type=Path, help="also write the rows here")

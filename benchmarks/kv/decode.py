@@ -50,7 +50,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from decode_worker import PREFIX, GiB, Shape, cases, estimate  # noqa: E402
+from decode_worker import PREFIX, SDPA_BACKENDS, GiB, Shape, cases, estimate  # noqa: E402
 
 ENGINES = (
     "dynamic",
@@ -271,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=200.0, help="seconds for all engines together")
     ap.add_argument("--page-tokens", type=int, default=256, help="TidalCache page size")
     ap.add_argument("--slots", type=int, default=2, choices=(2, 3), help="TidalCache prefetch slots")
+    ap.add_argument(
+        "--sdpa",
+        choices=list(SDPA_BACKENDS),
+        default="default",
+        help="attention backends torch may pick from: 'default' is torch's own order (cuDNN's first on Hopper, "
+        "which builds a graph per new sequence length: tens of ms of host time per batch-1 step); "
+        "'no-cudnn' leaves it out",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
@@ -315,6 +323,7 @@ def forward_args(args: argparse.Namespace) -> list[str]:
         "case_timeout",
         "page_tokens",
         "slots",
+        "sdpa",
     ):
         fwd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return fwd + (["--smoke"] if args.smoke else [])

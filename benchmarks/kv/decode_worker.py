@@ -387,6 +387,26 @@ def model_shape(model: Any) -> Shape:
 # ---------------------------------------------------------------------------------------------- worker
 
 
+#: ``--sdpa`` choices: the scaled_dot_product_attention backends allowed (None: torch's default order)
+SDPA_BACKENDS = {
+    "default": None,
+    "no-cudnn": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "flash": ("FLASH_ATTENTION",),
+}
+
+
+def sdpa_backends(choice: str) -> Any:
+    """A context allowing only ``SDPA_BACKENDS[choice]`` (a no-op for "default")."""
+    import contextlib
+
+    names = SDPA_BACKENDS[choice]
+    if names is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names])
+
+
 def worker(engine: str, config: Any, args: Any) -> None:
     """Build the model once, then every case in :func:`cases` order, each within its share of the deadline."""
     import torch
@@ -417,7 +437,9 @@ def worker(engine: str, config: Any, args: Any) -> None:
                   "detail": f"no time left before the engine's deadline ({left:.0f} s)"})  # fmt: skip
             continue
         try:
-            row = run_case(engine, model, args, ctx, batch, limit)
+            with sdpa_backends(args.sdpa):
+                row = run_case(engine, model, args, ctx, batch, limit)
+            row["sdpa"] = args.sdpa
         except Exception as e:  # one broken case must not lose the others
             row = {"engine": engine, "context": ctx, "batch": batch, "status": "error",
                    "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}  # fmt: skip

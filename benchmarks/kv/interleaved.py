@@ -36,27 +36,9 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from decode_worker import SDPA_BACKENDS, sdpa_backends  # noqa: E402
+
 __all__ = ["StepClock", "main", "rounds", "split"]
-
-
-#: ``--sdpa`` choices: the scaled_dot_product_attention backends allowed (None: torch's default order)
-SDPA_BACKENDS = {
-    "default": None,
-    "no-cudnn": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
-    "flash": ("FLASH_ATTENTION",),
-}
-
-
-def sdpa_backends(choice: str) -> Any:
-    """A context allowing only ``SDPA_BACKENDS[choice]`` (a no-op for "default")."""
-    import contextlib
-
-    names = SDPA_BACKENDS[choice]
-    if names is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, n) for n in names])
 
 
 class StepClock:

@@ -160,3 +160,24 @@ def test_engines_run_in_fixed_order_with_the_offloaded_cache_last() -> None:
     assert [e for e in decode.ENGINES if e in args.engine_list] == ["dynamic", "tidal", "offloaded"]
     fwd = decode.forward_args(args)
     assert fwd[fwd.index("--offloaded-steps") + 1] == "3" and fwd[fwd.index("--steps") + 1] == "8"
+    assert fwd[fwd.index("--sdpa") + 1] == "default"  # torch's own attention backends unless asked
+    no_cudnn = decode.forward_args(decode.parse(["--sdpa", "no-cudnn"]))
+    assert no_cudnn[no_cudnn.index("--sdpa") + 1] == "no-cudnn"  # every worker runs with the same backends
+
+
+def test_sdpa_choice_limits_the_backends_torch_may_pick(tiny) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 2, 1, 8)
+    kv = torch.randn(1, 2, 5, 8)
+    with dw.sdpa_backends("default"):
+        ref = F.scaled_dot_product_attention(q, kv, kv)
+    with dw.sdpa_backends("no-cudnn"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+        assert torch.allclose(F.scaled_dot_product_attention(q, kv, kv), ref, atol=1e-6)
+    with dw.sdpa_backends("flash"):
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on the way out
+    with pytest.raises(KeyError):
+        dw.sdpa_backends("cudnn-only")

@@ -2,8 +2,9 @@
 
 A *chunk* is ``chunk_pages`` pages of one offloaded layer laid out like the device K/V,
 ``[2 (K/V), B, H, chunk_pages · page_tokens, D]``: any run of full pages inside a chunk is ``2·B·H`` evenly
-spaced rows on both sides, so it moves host<->device in one strided copy (:func:`tidal_arena.copy_rows`)
-straight into a device slot's token range, with no staging buffer and no permute on the device.
+spaced rows on both sides, so it moves host<->device in one strided copy (:class:`tidal_arena.RowCopy`):
+native pages straight into a device slot's token range, fp8 pages into a staging chunk they are dequantized
+from; no permute on the device either way.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ median of ``--repeats`` runs (each run the median step of ``--steps`` timed step
 
 On the CPU, CUDA-only costs (event record/wait, stream switches, non-blocking copies) are no-ops: the probe
 then measures the Python and dispatch part only. With ``--device cuda --cache-only`` it times the same loop
-with real streams, events and page copies (each step synchronized), and ``--trace N`` prints the N host
+with real streams, events and page copies (each step synchronized; ``cache_*_issue_us_per_layer`` is the
+host time to issue a step's updates, before the copies finish), and ``--trace N`` prints the N host
 calls with the most self CPU time under ``torch.profiler`` (e.g. whether ``cudaMemcpyAsync`` blocks).
 """
 
@@ -116,13 +117,15 @@ def cache_loop(kind: str, config: Any, args: Any) -> tuple[Any, Any]:
         cache.update(kv[0], kv[1], layer)
     new = torch.randn(2, 1, heads, 1, dim, generator=g).to(args.device, dt)  # [2, B, H, 1, D]: one token
 
-    def run(steps: int) -> list[float]:
+    def run(steps: int, issue: list[float] | None = None) -> list[float]:
         times = []
         for _ in range(steps):
             _sync(args.device)
             t0 = time.perf_counter()
             for layer in range(layers):
                 cache.update(new[0], new[1], layer)
+            if issue is not None:  # host time to issue the step (on CUDA the copies may still run)
+                issue.append(time.perf_counter() - t0)
             _sync(args.device)
             times.append(time.perf_counter() - t0)
         return times
@@ -130,11 +133,13 @@ def cache_loop(kind: str, config: Any, args: Any) -> tuple[Any, Any]:
     return cache, run
 
 
-def time_cache(kind: str, config: Any, args: Any) -> float:
-    """Median ms of one step of ``update`` calls over every layer (no model compute)."""
+def time_cache(kind: str, config: Any, args: Any) -> tuple[float, float]:
+    """Median ms of one step of ``update`` calls over every layer (no model compute), and of its issue time."""
     _, run = cache_loop(kind, config, args)
     run(2)
-    return 1e3 * statistics.median(run(args.steps))
+    issue: list[float] = []
+    total = run(args.steps, issue)
+    return 1e3 * statistics.median(total), 1e3 * statistics.median(issue)
 
 
 def profile_cache(config: Any, args: Any) -> str:
@@ -190,7 +195,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         todo.insert(0, ("model", time_model, tiny_llama(args)))
     for what, fn, obj in todo:
         for kind in ("dynamic", "tidal"):
-            res[f"{what}_{kind}_ms"] = statistics.median(fn(kind, obj, args) for _ in range(args.repeats))
+            runs = [fn(kind, obj, args) for _ in range(args.repeats)]
+            if what == "cache":  # (step, issue) pairs
+                res[f"cache_{kind}_issue_us_per_layer"] = (
+                    1e3 * statistics.median(r[1] for r in runs) / args.layers
+                )
+                runs = [r[0] for r in runs]
+            res[f"{what}_{kind}_ms"] = statistics.median(runs)
         extra = res[f"{what}_tidal_ms"] - res[f"{what}_dynamic_ms"]
         res[f"{what}_extra_us_per_layer"] = 1e3 * extra / args.layers
     res["cache_tidal_us_per_layer"] = 1e3 * res["cache_tidal_ms"] / args.layers

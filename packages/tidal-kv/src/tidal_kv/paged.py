@@ -19,10 +19,11 @@ import torch
 from tidal_arena import copy_rows
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
-from tidal_kv.slots import Slot
+from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk
-from tidal_kv.streams import on, profiled, record, synchronize, wait
+from tidal_kv.streams import CurrentStream, on, profiled, record, synchronize, wait
+from tidal_kv.views import TokenRange
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +293,10 @@ class PagedKVCache:
         self._shape = None
         self._pool: HostPagePool | None = None
         self._res_buf: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._res_at: dict[int, tuple[TokenRange, TokenRange]] = {}  # token ranges of _res_buf's K and V
         self._tails: dict[int, torch.Tensor] = {}  # [2, B, H, P, D] per offloaded layer
-        self._tail_kv: dict[int, tuple[torch.Tensor, ...]] = {}  # its K and V views, [B, H, P, D] each
+        # token ranges of each tail: (K and V together, K, V)
+        self._tail_at: dict[int, tuple[TokenRange, TokenRange, TokenRange]] = {}
         self._host: dict[int, list[PageChunk]] = {}
         self._slots: list[Slot] = []
         self._pending: dict[int, Slot] = {}
@@ -305,6 +308,7 @@ class PagedKVCache:
         self._offloaded_set: frozenset[int] = frozenset()
         self._ahead: list[tuple[int, ...]] = []  # per layer: the offloaded layers its update prefetches
         self._h2d = self._d2h = None
+        self._current_stream: CurrentStream | None = None
         self._cuda = False
 
     def _bytes(self) -> tuple[int, int, int]:
@@ -329,8 +333,10 @@ class PagedKVCache:
         self._place(per_token)
         self._offloaded_set = frozenset(self._offloaded)
         b, h, d = self._shape
+        if self._cuda:
+            self._current_stream = CurrentStream(self._device)
         for layer in self._resident:
-            self._res_buf[layer] = self._empty_kv(self._capacity)
+            self._set_resident(layer, *self._empty_kv(self._capacity))
         if not self._offloaded:
             return
         if self._cuda:
@@ -346,19 +352,23 @@ class PagedKVCache:
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
-            self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
-            self._tail_kv[layer] = self._tails[layer].unbind(0)
+            tail = self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            self._tail_at[layer] = (TokenRange(tail), *(TokenRange(t) for t in tail.unbind(0)))
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
         self._slots = [Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
-        self._ahead = [self._prefetch_order(layer) for layer in range(c.num_layers)]
+        self._ahead = [prefetch_order(layer, self._offloaded, n_slots) for layer in range(c.num_layers)]
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
         ) // self._chunk_pages
         # fp8 pages are dequantized on the device from a staging chunk; native pages need none
         self._h2d_stage = device_chunk(self._chunk_layout, self._device) if self._fp8 else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
+
+    def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._res_buf[layer] = (k, v)
+        self._res_at[layer] = (TokenRange(k), TokenRange(v))
 
     def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self._shape
@@ -403,7 +413,7 @@ class PagedKVCache:
             n = self._lengths[layer]
             nk[:, :, :n].copy_(k[:, :, :n])  # [B, H, n, D]
             nv[:, :, :n].copy_(v[:, :, :n])
-            self._res_buf[layer] = (nk, nv)
+            self._set_resident(layer, nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
             self._slots = [Slot(self._empty_slot(new_cap)) for _ in self._slots]
@@ -414,7 +424,7 @@ class PagedKVCache:
     # ------------------------------------------------------------------ streams and events
 
     def _compute(self) -> Any:
-        return torch.cuda.current_stream(self._device) if self._cuda else None
+        return self._current_stream() if self._cuda else None
 
     def _sync_copies(self) -> None:
         """Block until every queued page copy finished (before buffers are reused or dropped)."""
@@ -434,13 +444,12 @@ class PagedKVCache:
     def _update_resident(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kb, vb = self._res_buf[layer]  # [B, H, cap, D]
+        k_at, v_at = self._res_at[layer]  # token ranges of the [B, H, cap, D] buffers
         s = self._lengths[layer]
-        e = s + k.shape[2]
-        # slice assignment is the same copy_ as kb[:, :, s:e].copy_(k), without a Python-level view object
-        kb[:, :, s:e] = k
-        vb[:, :, s:e] = v
-        return kb.narrow(2, 0, e), vb.narrow(2, 0, e)  # narrow: the view kb[:, :, :e], cheaper to make
+        t = k.shape[2]
+        k_at(s, t).copy_(k)
+        v_at(s, t).copy_(v)
+        return k_at(0, s + t), v_at(0, s + t)
 
     # ------------------------------------------------------------------ offloaded layers
 
@@ -470,12 +479,12 @@ class PagedKVCache:
             # the decode case: the new tokens stay in the partial page; append them to the tail, then one
             # copy puts the whole partial page (K and V) behind the gathered pages
             t_new = e - full_old * p
-            tk, tv = self._tail_kv[layer]  # [B, H, P, D] views of tail[0], tail[1]
-            tk[:, :, t_old:t_new] = k
-            tv[:, :, t_old:t_new] = v
-            slot.kv[:, :, :, full_old * p : e] = tail.narrow(3, 0, t_new)  # [2, B, H, t_new, D]
+            tail_at, tk_at, tv_at = self._tail_at[layer]
+            tk_at(t_old, t_new - t_old).copy_(k)
+            tv_at(t_old, t_new - t_old).copy_(v)
+            slot.kv_at(full_old * p, t_new).copy_(tail_at(0, t_new))  # [2, B, H, t_new, D]
             slot.pages = full_new
-            return slot.k.narrow(2, 0, e), slot.v.narrow(2, 0, e)
+            return slot.k_at(0, e), slot.v_at(0, e)
         if t_old:
             slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
             slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
@@ -491,29 +500,7 @@ class PagedKVCache:
         return slot.k[:, :, :e], slot.v[:, :, :e]
 
     def _pick_slot(self, layer: int) -> Slot:
-        """A slot for ``layer``: one not promised to a pending prefetch, preferring one that already holds it."""
-        busy = [*self._pending.values(), self._current]  # `in` compares slots by identity (eq=False)
-        free = [s for s in self._slots if s not in busy]
-        if not free:
-            # updates out of stack order: take back the oldest prefetch (its slot keeps its owner's pages)
-            oldest = next(iter(self._pending))
-            free = [self._pending.pop(oldest)]
-        slot = None
-        for s in free:
-            if s.owner == layer:
-                slot = s
-                break
-        if slot is None:
-            # least useful first: a slot no one owns, else the one holding the fewest pages (first such one)
-            slot = free[0]
-            for s in free[1:]:
-                if (s.owner is not None, s.pages) < (slot.owner is not None, slot.pages):
-                    slot = s
-            slot.owner, slot.pages = layer, 0
-        else:
-            self.stats.pages_reused += slot.pages
-        slot.prefetched_pages = 0
-        return slot
+        return pick_slot(self._slots, self._pending, self._current, layer, self.stats)
 
     def _gather(self, layer: int, slot: Slot, pages: int) -> int:
         """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""
@@ -574,16 +561,8 @@ class PagedKVCache:
                 self.stats.pages_flushed += m
                 page += m
 
-    def _prefetch_order(self, layer: int) -> tuple[int, ...]:
-        """The offloaded layers an update of ``layer`` prefetches: the next ones after it, cyclically (the next
-        step's first), as many as the slots not kept by this update (its own slot stays in use)."""
-        live = 1 if layer in self._offloaded_set else 0
-        off, n_off = self._offloaded, len(self._offloaded)
-        start = next((i for i, o in enumerate(off) if o > layer), 0)  # the first offloaded one after it
-        return tuple(off[(start + i) % n_off] for i in range(min(len(self._slots) - live, n_off - live)))
-
     def _prefetch_ahead(self, layer: int) -> None:
-        """Queue the gathers of the next offloaded layers after ``layer`` (see :meth:`_prefetch_order`)."""
+        """Queue the gathers of the next offloaded layers after ``layer`` (see :func:`~tidal_kv.slots.prefetch_order`)."""
         if not self._offloaded:
             return
         pending, p = self._pending, self.config.page_tokens

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 import torch
 
 from tidal_arena import RowCopy
+from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, PageChunk
+from tidal_kv.views import TokenRange
 
 
 class GatherRun(NamedTuple):
@@ -51,11 +53,15 @@ class Slot:
     # views made once (indexing kv per update costs host time on every decode step)
     k: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[0]
     v: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[1]
+    kv_at: TokenRange = field(init=False)  # token ranges of kv, [2, B, H, n, D]
+    k_at: TokenRange = field(init=False)  # ... of k, [B, H, n, D]
+    v_at: TokenRange = field(init=False)  # ... of v
     # layer -> ((first, pages), runs) of the last gather of that layer into this slot
     plans: dict[int, tuple[tuple[int, int], list[GatherRun]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.k, self.v = self.kv.unbind(0)
+        self.kv_at, self.k_at, self.v_at = TokenRange(self.kv), TokenRange(self.k), TokenRange(self.v)
 
     def gather_runs(
         self,
@@ -100,3 +106,57 @@ class Slot:
             page += m
         self.plans[layer] = (key, runs)
         return runs
+
+
+def pick_slot(
+    slots: list[Slot], pending: dict[int, Slot], current: Slot | None, layer: int, stats: KVStats
+) -> Slot:
+    """A slot for ``layer``: one not promised to a pending prefetch, preferring one that already holds it.
+
+    Args:
+        slots: Every slot of the cache.
+        pending: Offloaded layer -> the slot its queued prefetch fills (a taken-back prefetch is removed).
+        current: The slot the last update returned (still read by attention), or None.
+        layer: The offloaded layer to place.
+        stats: Counts the pages a reused slot already holds.
+
+    Returns:
+        The slot, owned by ``layer``; its ``pages`` are the valid pages it already holds of it.
+    """
+    busy = [*pending.values(), current]  # `in` compares slots by identity (eq=False)
+    free = [s for s in slots if s not in busy]
+    if not free:
+        # updates out of stack order: take back the oldest prefetch (its slot keeps its owner's pages)
+        oldest = next(iter(pending))
+        free = [pending.pop(oldest)]
+    slot = None
+    for s in free:
+        if s.owner == layer:
+            slot = s
+            break
+    if slot is None:
+        # least useful first: a slot no one owns, else the one holding the fewest pages (first such one)
+        slot = free[0]
+        for s in free[1:]:
+            if (s.owner is not None, s.pages) < (slot.owner is not None, slot.pages):
+                slot = s
+        slot.owner, slot.pages = layer, 0
+    else:
+        stats.pages_reused += slot.pages
+    slot.prefetched_pages = 0
+    return slot
+
+
+def prefetch_order(layer: int, offloaded: list[int], n_slots: int) -> tuple[int, ...]:
+    """The offloaded layers an update of ``layer`` prefetches: the next ones after it, cyclically (the next
+    step's first), as many as the slots not kept by this update (an offloaded layer's own slot stays in use).
+
+    Args:
+        layer: The layer being updated.
+        offloaded: The offloaded layers, sorted.
+        n_slots: Device gather slots.
+    """
+    live = 1 if layer in offloaded else 0
+    n_off = len(offloaded)
+    start = next((i for i, o in enumerate(offloaded) if o > layer), 0)  # the first offloaded one after it
+    return tuple(offloaded[(start + i) % n_off] for i in range(min(n_slots - live, n_off - live)))

@@ -11,6 +11,34 @@ from torch.profiler import record_function
 _NULL = contextlib.nullcontext()
 
 
+class CurrentStream:
+    """The current CUDA stream of one device, for a caller that asks for it on every decode step.
+
+    ``torch.cuda.current_stream(device)`` resolves the device and builds a new ``Stream`` object per call,
+    tens of microseconds on a busy host; this reads the current stream's id directly and hands back the same
+    ``Stream`` object while the current stream stays the same (a ``torch.cuda.stream(...)`` context switches
+    it, and the next call follows).
+    """
+
+    __slots__ = ("_index", "_key", "_lookup", "_stream")
+
+    def __init__(self, device: torch.device) -> None:
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._lookup = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device, device type)
+        self._key: Any = None
+        self._stream: Any = None
+
+    def __call__(self) -> Any:
+        """The device's current stream (the same object as the last call's when it did not change)."""
+        if self._lookup is None:  # a torch without the private lookup: the public call
+            return torch.cuda.current_stream(self._index)
+        key = self._lookup(self._index)
+        if key != self._key:
+            self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._key = key
+        return self._stream
+
+
 def record(stream: Any, event: Any = None) -> Any:
     """Record ``event`` (a new CUDA event when None) on ``stream`` now and return it; None on the CPU.
 

@@ -38,7 +38,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
 
 from decode_worker import SDPA_BACKENDS, sdpa_backends  # noqa: E402
 
-__all__ = ["StepClock", "main", "rounds", "split"]
+__all__ = ["StepClock", "host_ops", "main", "ops_table", "rounds", "split"]
 
 
 class StepClock:
@@ -114,6 +114,48 @@ def split(clock: StepClock, name: str) -> dict[str, float]:
     }
 
 
+def host_ops(steppers: dict[str, Any], n: int, sync: Any) -> dict[str, dict[str, float]]:
+    """Per engine: each op's self host time per step (µs) over ``n`` steps under torch.profiler (CPU only).
+
+    The profiler adds its own cost to every op, so compare engines with each other, not with timed steps.
+    Engines are profiled in turn, forward then backward (each ``n`` steps per pass), after one discarded pass,
+    so the profiler's own warm-up and the host's drift reach every engine alike.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    names = list(steppers)
+    out: dict[str, dict[str, float]] = {e: {} for e in names}
+    for order, keep in ((names, False), (names, True), (names[::-1], True)):
+        for name in order:
+            sync()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(n):
+                    steppers[name]()
+                    sync()  # why: steps start on an idle device, as in the timed rounds
+            if keep:
+                for e in prof.key_averages():
+                    out[name][e.key] = out[name].get(e.key, 0.0) + e.self_cpu_time_total / (2 * n)
+    return out
+
+
+def ops_table(ops: dict[str, dict[str, float]], top: int = 15) -> str:
+    """The ``top`` ops by their largest spread in self host µs per step between engines, as markdown."""
+    names = list(ops)
+    keys = set().union(*(o.keys() for o in ops.values()))
+    spread = {
+        k: max(o.get(k, 0.0) for o in ops.values()) - min(o.get(k, 0.0) for o in ops.values()) for k in keys
+    }
+    lines = [
+        "| op (self host µs per step) | " + " | ".join(names) + " |",
+        "|---" + "|---:" * len(names) + "|",
+    ]
+    for k in sorted(keys, key=spread.get, reverse=True)[:top]:
+        lines.append(f"| {k} | " + " | ".join(f"{ops[e].get(k, 0.0):.0f}" for e in names) + " |")
+    totals = " | ".join(f"{sum(ops[e].values()):.0f}" for e in names)
+    lines.append(f"| (all ops) | {totals} |")
+    return "\n".join(lines)
+
+
 def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every engine's cache filled to ``ctx`` tokens, stepped in turn; one row per engine."""
     import torch
@@ -136,6 +178,9 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
     steppers = {e: stepper(e) for e in engines}
     rounds(steppers, args.warmup, sync)
     clock = rounds(steppers, args.steps, sync)
+    if args.profile_steps:
+        print(f"context {ctx}: host ops that differ most between engines")
+        print(ops_table(host_ops(steppers, args.profile_steps, sync)), flush=True)
     times = clock.wall
     base = statistics.median(times["dynamic"]) if "dynamic" in times else None
     rows = []
@@ -193,6 +238,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         choices=list(SDPA_BACKENDS),
         default="no-cudnn",
         help="attention backends torch may pick from; 'default' is torch's own order (cuDNN first on Hopper)",
+    )
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed rounds, profile this many steps per engine and print the host ops that differ",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 64-token context")
     ap.add_argument("--json", type=Path, help="also write the rows here")

@@ -53,3 +53,19 @@ def test_cpu_smoke_run(tmp_path) -> None:
     assert rows[0]["x_dynamic"] == 1.0 and rows[1]["x_dynamic"] > 0
     assert all(r["issue_ms"] > 0 and r["wait_ms"] >= 0 for r in rows)
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_host_ops_profile_every_engine_alike_and_the_table_ranks_by_spread() -> None:
+    import torch
+
+    x = torch.ones(64, 64)
+    steppers = {"one": lambda: x.add(1), "three": lambda: (x.add(1), x.add(1), x.mul(2))}
+    ops = il.host_ops(steppers, 4, lambda: None)
+    assert set(ops) == {"one", "three"}
+    assert ops["one"]["aten::add"] > 0 and ops["three"]["aten::mul"] > 0 and "aten::mul" not in ops["one"]
+    table = il.ops_table(ops, top=2).splitlines()
+    assert table[0] == "| op (self host µs per step) | one | three |" and table[-1].startswith(
+        "| (all ops) |"
+    )
+    assert len(table) == 2 + 2 + 1  # header, rule, the top 2, the totals
+    assert table[2].split(" | ")[0] in ("| aten::add", "| aten::mul")

@@ -121,18 +121,20 @@ def test_fp8_dequantize_every_code_bit_exact():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("width", [5000, 13824, 20000])  # one 8192 tile; one 16384 tile; two passes
+@pytest.mark.parametrize("width", [5000, 13824, 20000])
 def test_fp8_row_quantization_bit_exact(dtype, width):
     from tidal_quant import _triton
 
     x = (torch.randn(64, width) * 3).to("cuda", dtype)
     x[5] = 0.0
     c = torch.rand(width, device="cuda")
+    one_tile = (min(16384, 1 << (width - 1).bit_length()), 8)  # the row in registers (two passes at 20000)
     for cs in (None, c):
-        q, s = _triton.quantize_rows_fp8(x, cs)
         rq, rs = tq.reference.quantize_rows_fp8(x.float().cpu() if cs is None else x.float().cpu() * cs.cpu())
-        assert_bitwise_equal(s, rs, "row scales")
-        assert_bitwise_equal(q, rq, "e4m3 codes")
+        for config in (None, (1024, 4), one_tile):  # the default, and both kernel paths whatever it is
+            q, s = _triton.quantize_rows_fp8(x, cs, config=config)
+            assert_bitwise_equal(s, rs, f"row scales, config {config}")
+            assert_bitwise_equal(q, rq, f"e4m3 codes, config {config}")
 
 
 @gpu

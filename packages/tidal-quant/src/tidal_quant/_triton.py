@@ -505,22 +505,32 @@ def _rows_fp8_kernel(
             _store_e4m3(q_ptr, row, x, offs, m, scale, K)
 
 
+def rows_fp8_config(k: int) -> tuple[int, int]:
+    """(tile width, warps) of :func:`quantize_rows_fp8` for rows ``k`` wide.
+
+    Narrow tiles, the row read twice (the second time from L2): a program holding a whole 5120- or
+    13824-wide row in registers leaves too few rows in flight per SM. On the H200 (rows_fp8_sweep.py)
+    1024-wide tiles at 8 warps took 11-14 µs for 2048 rows of 5120 against 25-28 µs for one 8192 tile,
+    and 2048-wide ones at 16 warps 35-39 µs for 2048 rows of 13824 against 49-55 µs for one 16384 tile.
+    """
+    block = min(_pow2(k), 1024 if k <= 8192 else 2048)
+    return block, 16 if block >= 2048 else 8 if block >= 1024 else 4
+
+
 def quantize_rows_fp8(
-    x: torch.Tensor, col_scale: torch.Tensor | None = None
+    x: torch.Tensor, col_scale: torch.Tensor | None = None, *, config: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 codes of ``x * col_scale`` (as :func:`tidal_quant.reference.quantize_rows_fp8`).
 
-    Returns (codes ``[T, K]`` float8_e4m3fn, fp32 scales ``[T, 1]``); one kernel, one read of ``x``
-    from HBM (rows wider than 16384: the second pass mostly hits L2).
+    Returns (codes ``[T, K]`` float8_e4m3fn, fp32 scales ``[T, 1]``); one kernel. ``config`` (tile width,
+    warps) overrides :func:`rows_fp8_config`; rows wider than the tile are read twice (the second read
+    mostly hits L2). Every config gives the same bytes: the row's absmax is a max, in any order.
     """
     x = x.contiguous()
     t, k = x.shape
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     c = col_scale.contiguous() if col_scale is not None else s
-    # rows up to 16384 wide (Qwen2.5-14B's 5120 and 13824) are read once and kept in
-    # registers between the absmax and the store: 32 fp32 values per thread at 16 warps
-    block = min(16384, _pow2(k))
-    warps = 16 if block >= 16384 else 8 if block >= 2048 else 4
+    block, warps = config or rows_fp8_config(k)
     _rows_fp8_kernel[(t,)](x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=warps)
     return q, s

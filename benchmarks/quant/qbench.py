@@ -89,6 +89,34 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def config_sweep(
+    label: str,
+    configs: list[tuple[int, int]],
+    default: tuple[int, int],
+    run: Callable[[tuple[int, int]], tuple[torch.Tensor, ...]],
+    nbytes: int,
+    copy: float,
+) -> list[str]:
+    """Markdown rows ``| label | a | b | device µs | GB/s | of copy bw |`` of a kernel's launch configs.
+
+    ``run(config)`` returns the kernel's outputs; each config must give the default's bytes (checked before
+    it is timed) and is timed from a CUDA graph (:func:`graph_ms`) against the ``nbytes`` it must move.
+    """
+    want = [t.view(torch.uint8) for t in run(default)]
+    rows = []
+    for cfg in configs:
+        got = [t.view(torch.uint8) for t in run(cfg)]
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            raise AssertionError(f"{label}: config {cfg} changes the output bytes; not timing it")
+        ms = graph_ms(lambda c=cfg: run(c))
+        gbps = nbytes / ms / 1e6
+        mark = " (default)" if cfg == default else ""
+        rows.append(
+            f"| {label} | {cfg[0]} | {cfg[1]}{mark} | {1e3 * ms:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% |"
+        )
+    return rows
+
+
 def nf4_weight(in_f: int, out_f: int, fmt: str = "nf4") -> tq.QuantizedWeight:
     w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
     return tq.quantize(w, fmt)

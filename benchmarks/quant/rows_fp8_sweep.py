@@ -25,27 +25,19 @@ CONFIGS = [(b, w) for b in (1024, 2048, 4096, 8192, 16384) for w in (4, 8, 16)]
 
 
 def sweep(tokens: int, k: int, with_col: bool, copy_gbps: float) -> list[str]:
-    """Table rows of every config that fits (tile ≤ 16384) for ``[tokens, k]`` rows."""
+    """Table rows of every config for ``[tokens, k]`` rows (``x``, or a gradient times column scales)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
     col = torch.rand(k, device="cuda", generator=g) + 0.5 if with_col else None
-    want = _triton.quantize_rows_fp8(x, col)
-    nbytes = x.numel() * 3 + tokens * 4
-    rows, default = [], _triton.rows_fp8_config(k)
-    for cfg in CONFIGS:
-        got = _triton.quantize_rows_fp8(x, col, config=cfg)
-        if not (
-            torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-        ):
-            raise AssertionError(f"config {cfg} changes the codes of [{tokens}, {k}]; not timing it")
-        ms = qbench.graph_ms(lambda c=cfg: _triton.quantize_rows_fp8(x, col, config=c))
-        gbps = nbytes / ms / 1e6
-        mark = " (default)" if cfg == default else ""
-        rows.append(
-            f"| {tokens}x{k} | {'grad·col' if with_col else 'x'} | {cfg[0]} | {cfg[1]}{mark} | "
-            f"{1e3 * ms:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |"
-        )
-    return rows
+    label = f"{tokens}x{k} | {'grad·col' if with_col else 'x'}"
+    return qbench.config_sweep(
+        label,
+        CONFIGS,
+        _triton.rows_fp8_config(k),
+        lambda cfg: _triton.quantize_rows_fp8(x, col, config=cfg),
+        x.numel() * 3 + tokens * 4,  # bf16 read, e4m3 and one fp32 scale per row written
+        copy_gbps,
+    )
 
 
 def main() -> None:

@@ -257,9 +257,6 @@ def _dequant_fp8_kernel(d_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.co
     tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
-# bytes of packed 4-bit codes per dequantize program: 32 per thread at 8 warps (8 coalesced 4-byte
-# loads in, 8 sixteen-byte stores of bf16 pairs out)
-_DEQ_BYTES, _DEQ_WARPS = 8192, 8
 # output dtype → (kernel OUT id, word dtype holding one byte's two elements)
 _WORDS = {
     torch.bfloat16: (0, torch.int32),
@@ -268,7 +265,18 @@ _WORDS = {
 }
 
 
-def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype) -> torch.Tensor:
+def dequant_4bit_config(n_bytes: int) -> tuple[int, int]:
+    """(packed bytes per program, warps) of the NF4 / NVFP4 dequantize kernel for ``n_bytes`` of codes.
+
+    8192 bytes at 8 warps: 32 per thread (8 coalesced 4-byte loads in, 8 sixteen-byte stores of bf16 pairs
+    out).
+    """
+    return 8192, 8
+
+
+def _dequant_4bit(
+    nvfp4, data, scales, global_scale, shape, block_size, dtype, config: tuple[int, int] | None = None
+) -> torch.Tensor:
     numel = shape[0] * shape[1]
     n_bytes = data.numel()
     out_id, word = _WORDS[dtype]
@@ -278,11 +286,12 @@ def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype) -
     nb = scales.numel()
     g = global_scale if nvfp4 else scales
     tab = table("e2m1" if nvfp4 else "nf4", data.device)
-    even = n_bytes % _DEQ_BYTES == 0
-    wide = n_bytes + _DEQ_BYTES >= 2**31
-    _dequant_4bit_kernel[(triton.cdiv(n_bytes, _DEQ_BYTES),)](
-        data, scales, g, tab, flat.view(word), n_bytes, nb, gb, _DEQ_BYTES // 4, nvfp4, out_id, even, wide,
-        num_warps=_DEQ_WARPS,
+    per_program, warps = config or dequant_4bit_config(n_bytes)
+    even = n_bytes % per_program == 0
+    wide = n_bytes + per_program >= 2**31
+    _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](
+        data, scales, g, tab, flat.view(word), n_bytes, nb, gb, per_program // 4, nvfp4, out_id, even, wide,
+        num_warps=warps,
     )  # fmt: skip
     return (flat if numel == flat.numel() else flat[:numel]).view(shape)
 

@@ -284,22 +284,24 @@ _HOPPER_PTX = textwrap.dedent(
     from triton.compiler import ASTSource
     from tidal_quant import _triton as T
 
-    def ptx(fn, sig, consts, ints):
+    def ptx(fn, sig, consts, ints, warps=8):
         # what a launch specializes: 16-byte-aligned pointers, sizes divisible by 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
                  if t.startswith("*") or n in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         return k.asm["ptx"], k.metadata.shared
 
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i32",
            "n_bytes": "i32", "nblocks": "i32", "GB": "constexpr", "NG": "constexpr", "NVFP4": "constexpr",
            "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
-    consts = {"GB": 32, "NG": 2048, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
-    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"})
-    # nf4 -> bf16: 8 KiB of codes per program, 32 output words per thread as 8 16-byte stores, rounded
-    # to nearest even, and no shared-memory shuffle between the code tile and the output tile
-    assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == 8 and not re.findall(r"st\\.global\\.b", p), "stores"
+    per_program, warps = T.dequant_4bit_config(1 << 24)
+    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"}, warps)
+    # nf4 -> bf16 at the default launch config: each thread's 4-byte code groups become 16-byte stores of
+    # four output words, rounded to nearest even, with no shared-memory shuffle between the two tiles
+    stores = per_program // 4 // (32 * warps)
+    assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == stores and not re.findall(r"st\\.global\\.b", p), "stores"
     assert "cvt.rn.bf16.f32" in p and shared == 0, shared
     sig = {"d_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "BS": "constexpr",
            "NG": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}

@@ -63,9 +63,16 @@ def test_host_ops_profile_every_engine_alike_and_the_table_ranks_by_spread() -> 
     ops = il.host_ops(steppers, 4, lambda: None)
     assert set(ops) == {"one", "three"}
     assert ops["one"]["aten::add"] > 0 and ops["three"]["aten::mul"] > 0 and "aten::mul" not in ops["one"]
-    table = il.ops_table(ops, top=2).splitlines()
-    assert table[0] == "| op (self host µs per step) | one | three |" and table[-1].startswith(
+    lines = il.ops_table(ops, top=100).splitlines()
+    assert lines[0] == "| op (self host µs per step) | one | three |" and lines[-1].startswith(
         "| (all ops) |"
     )
-    assert len(table) == 2 + 2 + 1  # header, rule, the top 2, the totals
-    assert table[2].split(" | ")[0] in ("| aten::add", "| aten::mul")
+    rows = {line.split(" | ")[0][2:]: line for line in lines[2:-1]}
+    assert "aten::mul" in rows and rows["aten::mul"].split(" | ")[1] == "0"  # "one" never multiplies
+
+    def spread(name: str) -> float:
+        return abs(ops["one"].get(name, 0.0) - ops["three"].get(name, 0.0))
+
+    spreads = [spread(name) for name in rows]
+    assert spreads == sorted(spreads, reverse=True)  # the ops that differ most come first
+    assert len(il.ops_table(ops, top=2).splitlines()) == 2 + 2 + 1  # header, rule, the top 2, the totals

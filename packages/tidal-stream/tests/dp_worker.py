@@ -13,6 +13,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -169,15 +170,37 @@ def lora_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def lora_reference() -> dict:
-    """Single-process AdamW on the global batches of the shared-copy scenario."""
+def lora_reference(split: int = 1) -> dict:
+    """Single-process AdamW on the global batches of the shared-copy scenario (``split``: see
+    :func:`backward_as_split`)."""
     model = LoraLike()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR, fused=True)
     for step in range(LORA_STEPS):
-        lora_loss(model, lora_batch(step)).backward()
+        x = lora_batch(step)
+        backward_as_split(model, lambda rows, x=x: lora_loss(model, x[rows]), split)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def backward_as_split(model: nn.Module, loss_of_rows: Callable[[slice], torch.Tensor], split: int) -> None:
+    """Leave in ``model``'s ``.grad`` the gradient of the global batch's loss as data parallel over ``split``
+    ranks computes it: one backward per rank's rows, summed in rank order and divided by ``split`` (the
+    arithmetic of the all-reduce of 2 ranks); ``split == 1``: one backward over the whole batch."""
+    if split == 1:
+        loss_of_rows(slice(None)).backward()
+        return
+    per = GLOBAL_BATCH // split
+    total: dict[int, torch.Tensor] = {}
+    for r in range(split):
+        model.zero_grad()
+        loss_of_rows(slice(r * per, (r + 1) * per)).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                total[id(p)] = total[id(p)] + p.grad if id(p) in total else p.grad.clone()
+    for p in model.parameters():
+        if id(p) in total:
+            p.grad = total[id(p)] / split
 
 
 def reference(
@@ -210,22 +233,9 @@ def reference(
         with torch.no_grad():
             for m, p in zip(masters, params):
                 m.copy_(p)
-    per = GLOBAL_BATCH // split
     for step in range(first, first + steps):
         idx, tgt = (t.to(device) for t in global_batch(step))
-        if split == 1:
-            loss_on(model, idx, tgt).backward()
-        else:
-            total: dict[int, torch.Tensor] = {}
-            for r in range(split):
-                model.zero_grad()
-                loss_on(model, idx[r * per : (r + 1) * per], tgt[r * per : (r + 1) * per]).backward()
-                for p in model.parameters():
-                    if p.grad is not None:
-                        total[id(p)] = total[id(p)] + p.grad if id(p) in total else p.grad.clone()
-            for p in model.parameters():
-                if id(p) in total:
-                    p.grad = total[id(p)] / split
+        backward_as_split(model, lambda rows, i=idx, t=tgt: loss_on(model, i[rows], t[rows]), split)
         if host_adamw:
             for m, p in zip(masters, params):
                 m.grad = p.grad.cpu() if p.grad is not None else None

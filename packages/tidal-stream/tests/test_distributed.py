@@ -34,10 +34,10 @@ _spec.loader.exec_module(worker)
 # - against a reference taking one backward over the whole global batch the gap is what splitting the
 #   batch alone causes (computed, never assumed): Adam normalises each element by its own magnitude, so
 #   attention weights whose gradient is partly round-off move by 8e-7 (2 ranks) to 6e-6 (3 ranks);
-#   DP must stay within that gap + SAME_SPLIT. The LoRA-like model (lr 1e-2, 5 steps) is held to
-#   FULL_BATCH against the whole-batch reference (measured 6.5e-7).
+#   DP must stay within that gap + SAME_SPLIT. The LoRA-like model (lr 1e-2, 5 steps) is held to the
+#   same two bounds: its whole-batch gap was 6.5e-7 on one CPU and 9.6e-6 on another (the CPU's own
+#   matmul kernels decide the round-off that Adam then normalises).
 SAME_SPLIT = 1e-6
-FULL_BATCH = 1e-6
 
 # [Note: CUDA AdamW is not the host's] the ranks update on the host with the CPU fused AdamW; a reference
 # running torch.optim.AdamW(fused=True) on CUDA uses another kernel with other rounding: nvcc contracts
@@ -173,8 +173,10 @@ def test_shared_host_copy_accounting(tmp_path: pathlib.Path, meta_ranks: tuple[i
     _ok(res)
     # the adapters train as in one process on the whole batch (the frozen base read from the shared copy)
     got = _load(tmp_path, world)[0]
-    diff = _diff(got, worker.lora_reference())
-    assert diff < FULL_BATCH, f"LoRA-like model: max |Δp| {diff:.3g} after {worker.LORA_STEPS} steps"
+    same, full = worker.lora_reference(split=world), worker.lora_reference()
+    diff = _diff(got, same)
+    assert diff < SAME_SPLIT, f"LoRA-like model: max |Δp| {diff:.3g} after {worker.LORA_STEPS} steps"
+    assert _diff(got, full) < _diff(same, full) + SAME_SPLIT
     nbytes = res[0]["shared"]["bytes"]
     assert nbytes >= res[0]["frozen_bytes"] > 2**19  # the frozen base: 512 KiB and its biases
     assert all(r["frozen_same"] for r in res)

@@ -41,7 +41,7 @@ def main() -> None:
         rows = qbench.config_sweep(
             f"{name} | {out_f}x{in_f}",
             CONFIGS,
-            _triton.dequant_4bit_config(data.numel()),
+            _triton.DEQUANT_4BIT_CONFIG,
             run,
             qbench.dequant_bytes(qw),
             copy,

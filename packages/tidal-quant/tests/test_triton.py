@@ -128,7 +128,7 @@ def test_fp8_row_quantization_bit_exact(dtype, width):
     x = (torch.randn(64, width) * 3).to("cuda", dtype)
     x[5] = 0.0
     c = torch.rand(width, device="cuda")
-    one_tile = (min(16384, 1 << (width - 1).bit_length()), 8)  # the row in registers (two passes at 20000)
+    one_tile = (min(16384, _triton._pow2(width)), 8)  # the row in registers (two passes at 20000)
     for cs in (None, c):
         rq, rs = tq.reference.quantize_rows_fp8(x.float().cpu() if cs is None else x.float().cpu() * cs.cpu())
         for config in (None, (1024, 4), one_tile):  # the default, and both kernel paths whatever it is
@@ -295,7 +295,7 @@ _HOPPER_PTX = textwrap.dedent(
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i32",
            "n_bytes": "i32", "nblocks": "i32", "GB": "constexpr", "NG": "constexpr", "NVFP4": "constexpr",
            "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
-    per_program, warps = T.dequant_4bit_config(1 << 24)
+    per_program, warps = T.DEQUANT_4BIT_CONFIG
     consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
     p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"}, warps)
     # nf4 -> bf16 at the default launch config: each thread's 4-byte code groups become 16-byte stores of

@@ -189,8 +189,8 @@ class PagedKVCache:
         if self._shape is None or n == 0:
             return torch.empty(0), torch.empty(0)
         if layer not in self._offloaded_set:
-            kb, vb = self._res_buf[layer]  # [B, H, cap, D]
-            return kb[:, :, :n].clone(), vb[:, :, :n].clone()
+            k_at, v_at = self._res_at[layer]
+            return k_at(0, n).clone(), v_at(0, n).clone()
         self._sync_copies()
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()  # why: the tail and pages must be settled
@@ -205,7 +205,7 @@ class PagedKVCache:
             if self._fp8:
                 kv = dequantize_fp8(kv, src.scale.to(self._device), self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
-        out[:, :, :, full * p :].copy_(self._tails[layer][:, :, :, : n - full * p])
+        out[:, :, :, full * p :].copy_(self._tail_at[layer][0](0, n - full * p))
         return out[0], out[1]
 
     def reset(self) -> None:
@@ -228,12 +228,12 @@ class PagedKVCache:
             VRAM would take at this capacity) and ``device_bytes_saved``.
         """
         dev = 0
-        for k, _v in self._res_buf.values():
-            dev += 2 * k.numel() * k.element_size()
+        for k_at, _v_at in self._res_at.values():
+            dev += 2 * k_at.buf.numel() * k_at.buf.element_size()
         for s in self._slots:
             dev += 2 * s.k.numel() * s.k.element_size()
-        for t in self._tails.values():
-            dev += t.numel() * t.element_size()
+        for tail_at, *_ in self._tail_at.values():
+            dev += tail_at.buf.numel() * tail_at.buf.element_size()
         for st in (self._h2d_stage, self._d2h_stage):
             dev += st.nbytes if st is not None else 0
         all_res = 0
@@ -292,10 +292,9 @@ class PagedKVCache:
             self._pool.release()
         self._shape = None
         self._pool: HostPagePool | None = None
-        self._res_buf: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._res_at: dict[int, tuple[TokenRange, TokenRange]] = {}  # token ranges of _res_buf's K and V
-        self._tails: dict[int, torch.Tensor] = {}  # [2, B, H, P, D] per offloaded layer
-        # token ranges of each tail: (K and V together, K, V)
+        # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
+        self._res_at: dict[int, tuple[TokenRange, TokenRange]] = {}
+        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D]) as token ranges: K and V, K, V
         self._tail_at: dict[int, tuple[TokenRange, TokenRange, TokenRange]] = {}
         self._host: dict[int, list[PageChunk]] = {}
         self._slots: list[Slot] = []
@@ -352,7 +351,7 @@ class PagedKVCache:
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
-            tail = self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            tail = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
             self._tail_at[layer] = (TokenRange(tail), *(TokenRange(t) for t in tail.unbind(0)))
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
@@ -367,7 +366,6 @@ class PagedKVCache:
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
     def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._res_buf[layer] = (k, v)
         self._res_at[layer] = (TokenRange(k), TokenRange(v))
 
     def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,11 +406,11 @@ class PagedKVCache:
             logging.WARNING,
         )
         self.stats.reallocations += 1
-        for layer, (k, v) in self._res_buf.items():
+        for layer, (k_at, v_at) in list(self._res_at.items()):
             nk, nv = self._empty_kv(new_cap)
             n = self._lengths[layer]
-            nk[:, :, :n].copy_(k[:, :, :n])  # [B, H, n, D]
-            nv[:, :, :n].copy_(v[:, :, :n])
+            nk[:, :, :n].copy_(k_at(0, n))  # [B, H, n, D]
+            nv[:, :, :n].copy_(v_at(0, n))
             self._set_resident(layer, nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
@@ -473,18 +471,18 @@ class PagedKVCache:
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        tail = self._tails[layer]  # [2, B, H, P, D]
+        tail_at, tk_at, tv_at = self._tail_at[layer]
         t_old = s - full_old * p
         if full_new == full_old:
             # the decode case: the new tokens stay in the partial page; append them to the tail, then one
             # copy puts the whole partial page (K and V) behind the gathered pages
             t_new = e - full_old * p
-            tail_at, tk_at, tv_at = self._tail_at[layer]
             tk_at(t_old, t_new - t_old).copy_(k)
             tv_at(t_old, t_new - t_old).copy_(v)
             slot.kv_at(full_old * p, t_new).copy_(tail_at(0, t_new))  # [2, B, H, t_new, D]
             slot.pages = full_new
             return slot.k_at(0, e), slot.v_at(0, e)
+        tail = tail_at.buf  # [2, B, H, P, D]
         if t_old:
             slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
             slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])

@@ -265,16 +265,12 @@ _WORDS = {
 }
 
 
-def dequant_4bit_config(n_bytes: int) -> tuple[int, int]:
-    """(packed bytes per program, warps) of the NF4 / NVFP4 dequantize kernel for ``n_bytes`` of codes.
-
-    1024 bytes at 4 warps: 8 per thread (two coalesced 4-byte loads in, two 16-byte stores of bf16 pairs out),
-    many small programs in flight. On the H200 (dequant_sweep.py) that took 4.6 / 19.6 / 48.0 / 47.8 µs at
-    Qwen2.5-14B's 1024x5120 / 5120x5120 / 13824x5120 / 5120x13824 weights (70 / 82 / 91 / 91 % of the copy
-    bandwidth) against 6.6 / 23.6 / 54.3 / 53.8 µs with 8192 bytes at 8 warps, and was within 1 µs of the
-    best of the 19 configs swept at every shape. ``n_bytes`` does not change the choice so far.
-    """
-    return 1024, 4
+# (packed bytes per program, warps) of the NF4 / NVFP4 dequantize kernel. 1024 bytes at 4 warps: 8 per thread
+# (two coalesced 4-byte loads in, two 16-byte stores of bf16 pairs out), many small programs in flight. On the
+# H200 (dequant_sweep.py) that took 4.6 / 19.6 / 48.0 / 47.8 µs at Qwen2.5-14B's 1024x5120 / 5120x5120 /
+# 13824x5120 / 5120x13824 weights (70 / 82 / 91 / 91 % of the copy bandwidth) against 6.6 / 23.6 / 54.3 /
+# 53.8 µs with 8192 bytes at 8 warps, within 1 µs of the best of the 19 configs swept at every shape.
+DEQUANT_4BIT_CONFIG = (1024, 4)
 
 
 def _dequant_4bit(
@@ -289,7 +285,7 @@ def _dequant_4bit(
     nb = scales.numel()
     g = global_scale if nvfp4 else scales
     tab = table("e2m1" if nvfp4 else "nf4", data.device)
-    per_program, warps = config or dequant_4bit_config(n_bytes)
+    per_program, warps = config or DEQUANT_4BIT_CONFIG
     even = n_bytes % per_program == 0
     wide = n_bytes + per_program >= 2**31
     _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](

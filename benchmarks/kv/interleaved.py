@@ -10,8 +10,9 @@ bound by the host (Python and kernel launches), and on the GPU machine the same 
 tens of milliseconds between processes (DynamicCache 62-70 ms, TidalCache 76-122 ms at 4k x 1). Here one
 model serves every engine's cache (each filled as decode.py fills it), and each round runs one
 synchronized decode step of every engine, in an order that rotates round by round, so drift reaches
-every engine alike. Per engine: the median step, and its tokens/s against DynamicCache's in the same
-rounds. ``tidal-resident`` (TidalCache, every layer resident) is the cache's own cost without a copy.
+every engine alike. Per engine: the median step, its tokens/s against DynamicCache's in the same
+rounds, and the median of the round-by-round ratios with a 95 % bootstrap interval (`paired_ratio`: the
+spread that decides whether a 0.9x goal is met). ``tidal-resident`` (TidalCache, every layer resident) is the cache's own cost without a copy.
 
 Attention runs without cuDNN's backend by default (``--sdpa no-cudnn``): cuDNN builds a graph for each new
 sequence length and K/V stride, tens of milliseconds of host time per step, and engines in one process
@@ -38,7 +39,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
 
 from decode_worker import SDPA_BACKENDS, sdpa_backends  # noqa: E402
 
-__all__ = ["StepClock", "host_ops", "main", "ops_table", "rounds", "split"]
+__all__ = ["StepClock", "host_ops", "main", "ops_table", "paired_ratio", "rounds", "split"]
 
 
 class StepClock:
@@ -112,6 +113,23 @@ def split(clock: StepClock, name: str) -> dict[str, float]:
         "slow_half_issue_ms": ms(issue, slow),
         "slow_half_wait_ms": ms(wait, slow),
     }
+
+
+def paired_ratio(
+    clock: StepClock, name: str, base: str, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``base``'s step time over ``name``'s, round by round: the median and a 95 % bootstrap interval of it.
+
+    Both engines step once in every round, so each round gives one ratio that the host's drift between rounds
+    reaches alike; resampling the rounds (with replacement, ``resamples`` times, seeded) gives the interval of
+    their median. A goal like ">= 0.9x DynamicCache" is met only when the interval's low end clears it.
+    """
+    import random
+
+    ratios = [b / e for b, e in zip(clock.wall[base], clock.wall[name])]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
 def host_ops(steppers: dict[str, Any], n: int, sync: Any) -> dict[str, dict[str, float]]:
@@ -200,6 +218,9 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
                 **split(clock, e),
             }
         )
+        if base:
+            paired, lo, hi = paired_ratio(clock, e, "dynamic")
+            rows[-1].update(x_dynamic_paired=paired, x_dynamic_ci95=[lo, hi])
     caches.clear()  # why: the K/V go before the next context is filled
     steppers.clear()
     release(cuda)
@@ -210,14 +231,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
     lines = [
         "| engine | context | batch | ms/step (median) | min-max ms | tokens/s | x dynamic, same rounds "
+        "| x dynamic, round by round [95 % CI] "
         "| issue / wait ms (median) | slower half: issue / wait ms | GC ms (all steps) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         x = "-" if r["x_dynamic"] is None or r["engine"] == "dynamic" else f"{r['x_dynamic']:.2f}"
+        paired = "-"
+        if r.get("x_dynamic_paired") is not None and r["engine"] != "dynamic":
+            lo, hi = r["x_dynamic_ci95"]
+            paired = f"{r['x_dynamic_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
         lines.append(
             f"| {r['engine']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.1f} | "
-            f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} | "
+            f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} | {paired} | "
             f"{r['issue_ms']:.1f} / {r['wait_ms']:.1f} | {r['slow_half_issue_ms']:.1f} / {r['slow_half_wait_ms']:.1f} "
             f"| {r['gc_ms_total']:.1f} |"
         )

@@ -76,3 +76,19 @@ def test_host_ops_profile_every_engine_alike_and_the_table_ranks_by_spread() -> 
     spreads = [spread(name) for name in rows]
     assert spreads == sorted(spreads, reverse=True)  # the ops that differ most come first
     assert len(il.ops_table(ops, top=2).splitlines()) == 2 + 2 + 1  # header, rule, the top 2, the totals
+
+
+def test_paired_ratio_is_the_median_of_round_ratios_with_an_interval_around_it() -> None:
+    clock = il.StepClock(["dynamic", "x"])
+    clock.wall["dynamic"] = [1.0, 2.0, 1.0, 4.0, 1.0]  # the host drifts between rounds ...
+    clock.wall["x"] = [1.25, 2.5, 1.25, 5.0, 1.0]  # ... and reaches both engines alike
+    med, lo, hi = il.paired_ratio(clock, "x", "dynamic")
+    assert med == 0.8  # four rounds at 0.8, one at 1.0: the drift itself does not move the ratio
+    assert lo == 0.8 and hi == 1.0  # every resample's median is one of the round ratios
+    assert il.paired_ratio(clock, "x", "dynamic") == (med, lo, hi)  # seeded
+    # a wider spread of round ratios widens the interval; the median ratio stays inside it
+    clock.wall["x"] = [1.0 / r for r in (0.7, 0.8, 0.9, 1.0, 1.1, 0.85, 0.95, 0.75, 1.05, 0.9)]
+    clock.wall["dynamic"] = [1.0] * 10
+    med, lo, hi = il.paired_ratio(clock, "x", "dynamic")
+    assert lo < med < hi and lo >= 0.7 and hi <= 1.1
+    assert abs(med - 0.9) < 1e-12

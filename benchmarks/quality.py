@@ -30,7 +30,10 @@ if str(HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4")
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4", "fp8-bwd8")
+#: Formats that are another format with options: fp8-bwd8 also computes the input gradient (the path the
+#: LoRA adapters' gradients take through each frozen base) on FP8 tensor cores.
+VARIANTS = {"fp8-bwd8": ("fp8", {"fp8_backward": True})}
 HELD_OUT_MOD = 20  # a file is held out when crc32(relative path) % 20 == 0 (about 5 %)
 
 #: The GPU reference model: Llama-style, ~136M parameters with a byte vocabulary.
@@ -211,9 +214,10 @@ def evaluate_format(
     if fmt != "bf16":
         from tidal_quant import bytes_per_weight
 
+        stored, cfg = VARIANTS.get(fmt, (fmt, {}))
         for block in model.get_base_model().model.layers:
-            quantize_base_(block, fmt)
-        row["bytes_per_weight"] = bytes_per_weight(fmt)
+            quantize_base_(block, stored, **cfg)
+        row["bytes_per_weight"] = bytes_per_weight(stored)
     else:
         row["bytes_per_weight"] = 2.0
     row["ppl_before"] = perplexity(model, held, a.seq, a.eval_windows, device)

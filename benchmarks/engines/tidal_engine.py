@@ -47,8 +47,11 @@ def version() -> str:
         return f"tidal-stream {tidal_stream.__version__}"
 
 
-def quantize_base_(block: nn.Module, fmt: str) -> None:
-    """Quantize the frozen base linears of one block (LoRA adapters, when present, are left alone)."""
+def quantize_base_(block: nn.Module, fmt: str, **cfg: Any) -> None:
+    """Quantize the frozen base linears of one block (LoRA adapters, when present, are left alone).
+
+    ``cfg`` goes to ``tidal_quant.quantize_model_`` (e.g. ``fp8_backward=True``).
+    """
     from tidal_quant import quantize_model_
 
     for parent in list(block.modules()):
@@ -57,10 +60,10 @@ def quantize_base_(block: nn.Module, fmt: str) -> None:
             # a holder makes the base linear a child quantize_model_ can replace; the adapters are not in it
             holder = nn.Module()
             holder.base_layer = base
-            quantize_model_(holder, fmt)
+            quantize_model_(holder, fmt, **cfg)
             parent.base_layer = holder.base_layer
     if not any(hasattr(m, "base_layer") for m in block.modules()):
-        quantize_model_(block, fmt)
+        quantize_model_(block, fmt, **cfg)
 
 
 def _load_auto(ctx: RunContext) -> nn.Module:

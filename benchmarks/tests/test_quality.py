@@ -43,3 +43,17 @@ def test_smoke_mode_runs_on_cpu(tmp_path: Path) -> None:
     assert abs(nf4["ppl_before"] - bf16["ppl_before"]) / bf16["ppl_before"] < 0.1
     assert nf4["bytes_per_weight"] < bf16["bytes_per_weight"] == 2.0
     assert "| nf4 |" in proc.stdout
+
+
+def test_fp8_bwd8_stores_fp8_and_takes_the_fp8_input_gradient() -> None:
+    tq = pytest.importorskip("tidal_quant")
+    from engines.tidal_engine import quantize_base_
+
+    stored, cfg = quality.VARIANTS["fp8-bwd8"]
+    assert stored in quality.FORMATS and "fp8-bwd8" in quality.FORMATS
+    block = quality.torch.nn.Sequential(quality.torch.nn.Linear(32, 16), quality.torch.nn.Linear(16, 32))
+    quantize_base_(block, stored, **cfg)
+    assert all(isinstance(m, tq.QuantLinear) and m.fp8_backward for m in block)
+    plain = quality.torch.nn.Sequential(quality.torch.nn.Linear(32, 16))
+    quantize_base_(plain, stored)
+    assert isinstance(plain[0], tq.QuantLinear) and not plain[0].fp8_backward

@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--dim", type=int, nargs=2, default=[5120, 13824], metavar=("IN", "OUT"))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        help="also list the CUDA runtime calls torch.profiler records over this many steps (on the GPU machine "
+        "it recorded the main thread's only: look there for a synchronizing call in the forward path)",
+    )
     a = ap.parse_args(argv)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     print(
@@ -96,6 +103,26 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     torch.autograd.set_multithreading_enabled(True)
+    if a.trace:
+        for name in ("bf16 nn.Linear", "nf4 QuantLinear", "fp8 QuantLinear"):
+            print(f"\n{name}: CUDA runtime calls over {a.trace} back-to-back steps (host µs, calls)")
+            print(_runtime_calls(layers[name], x, g, a.trace, sync))
+
+
+def _runtime_calls(layer, x, g, steps: int, sync) -> str:
+    """CUDA runtime calls (``cuda*`` host events) of ``steps`` forward + backward steps, by total host time:
+    a synchronizing call (stream / event / device synchronize, a blocking memcpy, cudaFree) shows here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _time(layer, x, g, 2, sync)  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            x.grad = None
+            layer(x).backward(g)
+        sync()
+    rows = [e for e in prof.key_averages() if e.key.startswith("cuda")]
+    rows.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    return "\n".join(f"  {e.key:<36} {e.cpu_time_total:9.0f} µs  {e.count:5d} calls" for e in rows[:12])
 
 
 if __name__ == "__main__":

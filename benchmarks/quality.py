@@ -30,10 +30,11 @@ if str(HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4", "fp8-bwd8")
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4", "fp8-bwd8", "nf4-fp8")
 #: Formats that are another format with options: fp8-bwd8 also computes the input gradient (the path the
-#: LoRA adapters' gradients take through each frozen base) on FP8 tensor cores.
-VARIANTS = {"fp8-bwd8": ("fp8", {"fp8_backward": True})}
+#: LoRA adapters' gradients take through each frozen base) on FP8 tensor cores; nf4-fp8 stores NF4 and
+#: recasts it to e4m3 per call to run forward and input gradient there (``fp8_compute``).
+VARIANTS = {"fp8-bwd8": ("fp8", {"fp8_backward": True}), "nf4-fp8": ("nf4", {"fp8_compute": True})}
 HELD_OUT_MOD = 20  # a file is held out when crc32(relative path) % 20 == 0 (about 5 %)
 
 #: The GPU reference model: Llama-style, ~136M parameters with a byte vocabulary.

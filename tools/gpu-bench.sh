@@ -17,6 +17,7 @@
 #   bash tools/gpu-bench.sh big1      # the two-GPU machine (its 256 GiB host), one GPU visible: lora110b without a budget, lora72b at 80 GiB (~9 min)
 #   bash tools/gpu-bench.sh overlap   # weight streaming where compute covers the transfer: 16k and 32k tokens (~2 min)
 #   bash tools/gpu-bench.sh quality   # perplexity per storage format (~8 min)
+#   bash tools/gpu-bench.sh fp8-compute  # fp8_compute: its GPU tests, the quant table, the recast sweep, NF4-fp8 perplexity (~9 min)
 #   bash tools/gpu-bench.sh micro     # the pytest-benchmark micro suites (arena, quant, stream, kv) (~5 min)
 #   bash tools/gpu-bench.sh hf        # TidalTrainer LoRA on the Qwen2.5-14B shape at 24 GiB, the DPO example (~5 min)
 #
@@ -104,6 +105,12 @@ case "${1:-}" in
     ;;
   quality)
     step 560 quality.log -- python3 benchmarks/quality.py --minutes 5 --out "$out/quality.jsonl"
+    ;;
+  fp8-compute)
+    step 90 fp8-compute.log -- env TIDAL_REQUIRE_GPU=1 python3 -m pytest -m gpu -p tidal_testing.plugin -q packages/tidal-quant/tests/test_fp8_compute.py
+    step 100 quant-table.md -- python3 benchmarks/quant/table.py --skip-decode
+    step 120 fp8-compute-sweep.md -- python3 benchmarks/quant/fp8_compute_sweep.py
+    step 250 quality.log -- python3 benchmarks/quality.py --minutes 1 --lora-steps 200 --formats bf16,nf4,nf4-fp8 --out "$out/quality.jsonl"
     ;;
   hf)
     step 360 hf.log -- python3 benchmarks/hf/trainer_lora14b.py --budget-gib 24 --steps 8

@@ -5,9 +5,10 @@
 1. NF4 dequantize → bf16 at Qwen2.5-14B layer shapes (and int8 / NVFP4 at one): GB/s and fraction of
    the HBM copy bandwidth (goal ≥ 70 %), device time (CUDA graph) and eager back-to-back calls.
 2. Forward + input gradient of one frozen layer at 5120→13824, 13824→5120, 5120→5120 with 512 and
-   2048 tokens: bf16 ``nn.Linear``, tidal nf4 / fp8 / fp8-bwd8 (input gradient on FP8 tensor cores
-   too) / int8 / nvfp4 and bitsandbytes ``Linear4bit`` (when importable), as milliseconds and ratios
-   (goals: nf4 ≤ 0.8× bitsandbytes, fp8 ≤ 0.75× bf16 at 2048 tokens), timed three ways: one synchronized
+   2048 tokens: bf16 ``nn.Linear``, tidal nf4 / nf4-fp8 (``fp8_compute``: recast to e4m3, FP8 tensor
+   cores) / fp8 / fp8-bwd8 (input gradient on FP8 tensor cores too) / int8 / nvfp4 / nvfp4-fp8 and
+   bitsandbytes ``Linear4bit`` (when importable), as milliseconds and ratios (goals: nf4 ≤ 0.8×
+   bitsandbytes, fp8 ≤ 0.75× bf16 at 2048 tokens), timed three ways: one synchronized
    step, back-to-back steps and steps replayed from a CUDA graph; each goal's verdict after each table.
 3. Small token counts (decode-like forward only, nf4 unless ``--decode-formats`` says otherwise) and
    which kernel tidal picked per shape.
@@ -75,6 +76,8 @@ def linear_tables(kinds: list[str]) -> list[str]:
     device runs, as across a model's layers) and steps replayed from a CUDA graph (the device's time
     alone, as in tidal's graphed blocks), then each goal's verdict in each."""
     has_bnb = "bnb-nf4" in kinds
+    vs_bnb = [k for k in ("nf4", "nf4-fp8") if k in kinds] if has_bnb else []  # NF4 goal: ≤ 0.8× bnb
+    vs_bf16 = [k for k in ("fp8", "fp8-bwd8", "nf4-fp8") if k in kinds]  # FP8 goal: ≤ 0.75× bf16
     results = []
     for in_f, out_f in qbench.LINEAR_SHAPES:
         for tokens in qbench.TOKENS:
@@ -88,33 +91,32 @@ def linear_tables(kinds: list[str]) -> list[str]:
     )
     for mode, suffix in modes:
         head = "| shape | tokens | bf16 ms | " + " | ".join(f"{k} ms (×bf16)" for k in kinds)
-        head += " | nf4 / bnb |" if has_bnb else " |"
+        head += "".join(f" | {k} / bnb" for k in vs_bnb) + " |"
         title = f"Forward + input gradient, frozen weight, {mode} (ms; ratio to bf16, tidal's forward path)"
         rows += [title, "", head, "|" + "---|" * (head.count("|") - 1)]
-        verdicts: dict[str, list[float]] = {"nf4": [], "fp8": [], "fp8-bwd8": []}
+        bnb_ratios: dict[str, list[float]] = {k: [] for k in vs_bnb}
+        bf16_ratios: dict[str, list[float]] = {k: [] for k in vs_bf16}
         for in_f, out_f, tokens, r in results:
             bf16 = r["bf16" + suffix]
             cells = [f"{in_f}→{out_f}", str(tokens), f"{bf16:.3f}"]
             for k in kinds:
                 path = f", {r[k + ':path']}" if r[k + ":path"] else ""
                 cells.append(f"{r[k + suffix]:.3f} ({r[k + suffix] / bf16:.2f}{path})")
-            if has_bnb:
-                verdicts["nf4"].append(r["nf4" + suffix] / r["bnb-nf4" + suffix])
-                cells.append(f"{verdicts['nf4'][-1]:.2f}")
+            for k in vs_bnb:
+                bnb_ratios[k].append(r[k + suffix] / r["bnb-nf4" + suffix])
+                cells.append(f"{bnb_ratios[k][-1]:.2f}")
             if tokens == 2048:
-                verdicts["fp8"].append(r["fp8" + suffix] / bf16)
-                verdicts["fp8-bwd8"].append(r["fp8-bwd8" + suffix] / bf16)
+                for k in vs_bf16:
+                    bf16_ratios[k].append(r[k + suffix] / bf16)
             rows.append("| " + " | ".join(cells) + " |")
         rows.append("")
-        if has_bnb:
-            rows.append(
-                f"NF4 / bitsandbytes goal ≤ {NF4_BNB_GOAL}: {_verdict(verdicts['nf4'], NF4_BNB_GOAL)}"
-            )
-        else:
+        if not has_bnb:
             rows.append("NF4 / bitsandbytes: bitsandbytes not importable, no comparison")
-        for k in ("fp8", "fp8-bwd8"):
+        for k in vs_bnb:
+            rows.append(f"{k} / bitsandbytes goal ≤ {NF4_BNB_GOAL}: {_verdict(bnb_ratios[k], NF4_BNB_GOAL)}")
+        for k in vs_bf16:
             rows.append(
-                f"{k} / bf16 at 2048 tokens goal ≤ {FP8_BF16_GOAL}: {_verdict(verdicts[k], FP8_BF16_GOAL)}"
+                f"{k} / bf16 at 2048 tokens goal ≤ {FP8_BF16_GOAL}: {_verdict(bf16_ratios[k], FP8_BF16_GOAL)}"
             )
         rows.append("")
     return rows

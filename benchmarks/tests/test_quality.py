@@ -45,15 +45,18 @@ def test_smoke_mode_runs_on_cpu(tmp_path: Path) -> None:
     assert "| nf4 |" in proc.stdout
 
 
-def test_fp8_bwd8_stores_fp8_and_takes_the_fp8_input_gradient() -> None:
+@pytest.mark.parametrize(
+    "variant,stored,flag", [("fp8-bwd8", "fp8", "fp8_backward"), ("nf4-fp8", "nf4", "fp8_compute")]
+)
+def test_variants_store_their_format_with_their_option(variant, stored, flag) -> None:
     tq = pytest.importorskip("tidal_quant")
     from engines.tidal_engine import quantize_base_
 
-    stored, cfg = quality.VARIANTS["fp8-bwd8"]
-    assert stored in quality.FORMATS and "fp8-bwd8" in quality.FORMATS
+    fmt, cfg = quality.VARIANTS[variant]
+    assert fmt == stored and fmt in quality.FORMATS and variant in quality.FORMATS
     block = quality.torch.nn.Sequential(quality.torch.nn.Linear(32, 16), quality.torch.nn.Linear(16, 32))
-    quantize_base_(block, stored, **cfg)
-    assert all(isinstance(m, tq.QuantLinear) and m.fp8_backward for m in block)
+    quantize_base_(block, fmt, **cfg)
+    assert all(isinstance(m, tq.QuantLinear) and m.fmt.value == stored and getattr(m, flag) for m in block)
     plain = quality.torch.nn.Sequential(quality.torch.nn.Linear(32, 16))
-    quantize_base_(plain, stored)
-    assert isinstance(plain[0], tq.QuantLinear) and not plain[0].fp8_backward
+    quantize_base_(plain, fmt)
+    assert isinstance(plain[0], tq.QuantLinear) and not getattr(plain[0], flag)

@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 import tidal_quant as tq
-from tidal_quant import ops
+from tidal_quant import fp8_ops, linear_ops, ops
 
 
 def _case(fmt):
@@ -38,7 +38,7 @@ def test_opcheck_dequantize_and_qmatmul(fmt):
 def test_opcheck_fp8_linear(n_out):
     qw = _case("fp8")
     x = torch.randn(6, 64, dtype=torch.bfloat16)
-    opcheck(ops.fp8_linear, (x, ops.as_bytes(qw.data), qw.scales, n_out))
+    opcheck(fp8_ops.fp8_linear, (x, ops.as_bytes(qw.data), qw.scales, n_out))
 
 
 def test_torch_compile_traces_quant_linear_fullgraph():
@@ -58,9 +58,11 @@ def test_opcheck_linear_with_autograd(fmt):
     qw = _case(fmt)
     x = torch.randn(5, 64, dtype=torch.float32, requires_grad=True)
     args = (x, ops.as_bytes(qw.data), ops.as_bytes(qw.scales), qw.global_scale, fmt, list(qw.shape))
-    opcheck(ops.linear, (*args, qw.block_size or 0, 0, fmt == "fp8"))
+    opcheck(linear_ops.linear, (*args, qw.block_size or 0, 0, fmt == "fp8", False))
 
 
 def test_opcheck_fp8_grad_input():
     qw = _case("fp8")
-    opcheck(ops.fp8_grad_input, (torch.randn(6, 32, dtype=torch.bfloat16), ops.as_bytes(qw.data), qw.scales))
+    opcheck(
+        fp8_ops.fp8_grad_input, (torch.randn(6, 32, dtype=torch.bfloat16), ops.as_bytes(qw.data), qw.scales)
+    )

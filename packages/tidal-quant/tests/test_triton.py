@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tidal_quant as tq
-from tidal_quant import ops
+from tidal_quant import fp8_ops, ops
 from tidal_testing import assert_bitwise_equal, assert_sqnr
 
 gpu = pytest.mark.gpu
@@ -160,7 +160,7 @@ def test_fp8_quant_linear_runs_on_scaled_mm(monkeypatch, outliers, fp8_backward)
     data, scales = ops.as_bytes(q.weight_data).cpu(), q.weight_scales.cpu()
     n_out = tq.linear.n_outlier_channels(outliers, 1024)
     emu = (
-        ops.fp8_linear(x.detach().reshape(-1, 1024).float().cpu(), data, scales, n_out)
+        fp8_ops.fp8_linear(x.detach().reshape(-1, 1024).float().cpu(), data, scales, n_out)
         + lin.bias.float().cpu()
     )
     assert_sqnr(emu, y.detach().reshape(-1, 512).float().cpu(), 40.0, "fp8 scaled_mm vs emulation")
@@ -169,7 +169,7 @@ def test_fp8_quant_linear_runs_on_scaled_mm(monkeypatch, outliers, fp8_backward)
     gx = x.grad.reshape(-1, 1024).float().cpu()
     if fp8_backward:
         assert calls == [(256, 1024), (256, 512)]  # the input gradient ran on _scaled_mm too
-        emu_g = ops.fp8_grad_input(g.reshape(-1, 512).float().cpu(), data, scales)
+        emu_g = fp8_ops.fp8_grad_input(g.reshape(-1, 512).float().cpu(), data, scales)
         assert_sqnr(emu_g, gx, 40.0, "fp8 grad vs emulation")
     else:
         assert len(calls) == 1

@@ -17,7 +17,7 @@ _paths: collections.Counter[str] = collections.Counter()
 _decisions: list[dict[str, Any]] = []
 _seen: set[str] = set()
 
-PATHS = ("fp8_scaled_mm", "fused_dequant_matmul", "dequant_matmul")
+PATHS = ("fp8_scaled_mm", "fp8_recast", "fused_dequant_matmul", "dequant_matmul")
 
 
 def record_path(name: str) -> None:
@@ -31,7 +31,9 @@ def path_counts() -> dict[str, int]:
     """Forward calls per compute path since the last :func:`reset_path_counts`.
 
     Paths: ``fp8_scaled_mm`` (FP8 tensor cores), ``fused_dequant_matmul`` (one Triton kernel),
-    ``dequant_matmul`` (dequantize to the activation dtype, then a dense matmul).
+    ``dequant_matmul`` (dequantize to the activation dtype, then a dense matmul). ``fp8_recast`` counts the
+    forward calls of ``fp8_compute`` layers whose weight was recast to e4m3 for FP8 tensor cores (each is
+    also counted under ``fp8_scaled_mm``).
     """
     with _lock:
         return dict(_paths)

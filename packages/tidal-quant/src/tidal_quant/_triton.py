@@ -371,6 +371,27 @@ def _scaled(v, s_ptr, g_ptr, rn, k0, mn, K: tl.constexpr, FMT: tl.constexpr, BS:
 
 
 @triton.jit
+def tile_values(d_ptr, s_ptr, g_ptr, tab_ptr, rn, mn, k0, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, SMODE: tl.constexpr):  # fmt: skip
+    """fp32 ``[BN, BK]``: the dequantized weights (int8 / NF4 / NVFP4) of rows ``rn`` (valid where ``mn``),
+    columns ``k0 + [0, BK)``; each is its code's value times its block scale, as :mod:`reference`."""
+    if FMT == 0:
+        rk = k0 + tl.arange(0, BK)
+        v = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
+    else:
+        rb = k0 // 2 + tl.arange(0, BK // 2)
+        byte = tl.load(d_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=mn[:, None], other=0)
+        byte = byte.to(tl.int32)  # [BN, BK/2]
+        hi = tl.load(tab_ptr + (byte >> 4))
+        lo = tl.load(tab_ptr + (byte & 15))
+        if FMT == 1:  # nf4: high nibble first
+            v = tl.reshape(tl.join(hi, lo), (BN, BK))
+        else:  # nvfp4: low nibble first
+            v = tl.reshape(tl.join(lo, hi), (BN, BK))
+    return _scaled(v, s_ptr, g_ptr, rn, k0, mn, K, FMT, BS, BN, BK, SMODE)
+
+
+@triton.jit
 def _qmm_kernel(
     x_ptr, d_ptr, s_ptr, g_ptr, tab_ptr, y_ptr, M, N, stride_xm, K: tl.constexpr,
     FMT: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -391,19 +412,7 @@ def _qmm_kernel(
         k0 = kt * BK
         rk = k0 + tl.arange(0, BK)  # [BK]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None], other=0.0)
-        if FMT == 0:
-            v = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
-        else:
-            rb = k0 // 2 + tl.arange(0, BK // 2)
-            byte = tl.load(d_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=mn[:, None], other=0)
-            byte = byte.to(tl.int32)  # [BN, BK/2]
-            hi = tl.load(tab_ptr + (byte >> 4))
-            lo = tl.load(tab_ptr + (byte & 15))
-            if FMT == 1:  # nf4: high nibble first
-                v = tl.reshape(tl.join(hi, lo), (BN, BK))
-            else:  # nvfp4: low nibble first
-                v = tl.reshape(tl.join(lo, hi), (BN, BK))
-        w = _scaled(v, s_ptr, g_ptr, rn, k0, mn, K, FMT, BS, BN, BK, SMODE)
+        w = tile_values(d_ptr, s_ptr, g_ptr, tab_ptr, rn, mn, k0, K, FMT, BS, BN, BK, SMODE)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     y = acc.to(y_ptr.dtype.element_ty)
     rn32 = pid_n * BN + tl.arange(0, BN)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from tidal_quant import _log, ops
+from tidal_quant import _log, linear_ops, ops
 from tidal_quant.api import (
     block_scales,
     check_double_quant,
@@ -23,6 +23,7 @@ from tidal_quant.errors import bad_arg
 from tidal_quant.formats import QuantFormat, QuantizedWeight, as_format, resolve_block_size
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CFG = ("block_size", "double_quant", "outliers", "fp8_backward", "fp8_compute")  # from_linear's options
 _BUFFER = {"data": "weight_data", "scales": "weight_scales", "scales2": "weight_scales2"}
 _BUFFER.update({"offset": "weight_offset", "global_scale": "weight_global_scale"})
 
@@ -52,6 +53,20 @@ def check_fp8_backward(fmt: QuantFormat, fp8_backward: object) -> bool:
     return fp8_backward
 
 
+def check_fp8_compute(fmt: QuantFormat, fp8_compute: object) -> bool:
+    """Validate ``fp8_compute``: a bool, True only for int8, nf4 and nvfp4 (fp8 weights already use FP8 tensor cores)."""
+    if not isinstance(fp8_compute, bool):
+        raise bad_arg("fp8_compute", fp8_compute, "True or False")
+    if fp8_compute and fmt is QuantFormat.FP8:
+        raise bad_arg(
+            "fp8_compute",
+            fp8_compute,
+            "False for fmt='fp8' (its forward already runs on FP8 tensor cores); True for int8, nf4, nvfp4",
+            "drop fp8_compute; pass fp8_backward=True for the input gradient",
+        )
+    return fp8_compute
+
+
 def n_outlier_channels(outliers: float, in_features: int) -> int:
     """Input channels multiplied in high precision per call: ``round(outliers * in_features)``, ≥ 1 if > 0."""
     return 0 if outliers <= 0 else max(1, round(outliers * in_features))
@@ -64,6 +79,7 @@ def quant_linear(
     *,
     outliers: float = 0.0,
     fp8_backward: bool = False,
+    fp8_compute: bool = False,
 ) -> torch.Tensor:
     """``x @ dequantize(qw)ᵀ + bias`` without materializing the weight where a kernel can avoid it.
 
@@ -78,15 +94,26 @@ def quant_linear(
         outliers: fp8 only: fraction of input channels (largest |x| of this call) kept in ``x.dtype``.
         fp8_backward: fp8 only: compute the input gradient on FP8 tensor cores too (per-token e4m3
             gradients; faster, less precise). Default: ``grad @ dequantize(W)`` in ``grad.dtype``.
+        fp8_compute: int8 / nf4 / nvfp4 only: recast the weight to e4m3 (one scale per output row) on
+            each call and run the forward and the input gradient on FP8 tensor cores (compute capability
+            ≥ 8.9, at least ``fp8_ops.FP8_COMPUTE_MIN_TOKENS`` tokens; otherwise, or for shapes
+            ``torch._scaled_mm`` cannot take, the bf16 path). The stored bytes do not change. Faster at
+            many tokens; each weight is rounded once more (to e4m3), which costs NF4 / NVFP4 little and
+            int8 much of its precision.
 
     Returns:
         ``[..., out_features]`` in ``x.dtype``.
     """
-    return _quant_linear(x, check_quantized(qw), bias, outliers, fp8_backward)
+    return _quant_linear(x, check_quantized(qw), bias, outliers, fp8_backward, fp8_compute)
 
 
 def _quant_linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, outliers: float, fp8_backward: bool
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None,
+    outliers: float,
+    fp8_backward: bool,
+    fp8_compute: bool,
 ) -> torch.Tensor:
     """:func:`quant_linear` for an already validated ``qw``."""
     if not isinstance(x, torch.Tensor):
@@ -101,9 +128,11 @@ def _quant_linear(
         raise bad_arg("bias", (tuple(bias.shape), str(bias.device)), f"[{qw.shape[0]}] on {qw.device}")
     n_out = n_outlier_channels(check_outliers(qw.fmt, outliers), qw.shape[1])
     fp8_grad = check_fp8_backward(qw.fmt, fp8_backward)
+    recast = check_fp8_compute(qw.fmt, fp8_compute)
     # the profiler range only while a profiler records: entering one costs a dispatcher call per layer
     with record_function("tidal::quant_linear") if ops.profiling() else contextlib.nullcontext():
-        y = ops.linear_fast(x.reshape(-1, qw.shape[1]), *_op_args(qw), n_out, fp8_grad)  # [T, N]
+        x2 = x.reshape(-1, qw.shape[1])  # [T, K]
+        y = linear_ops.linear_fast(x2, *_op_args(qw), n_out, fp8_grad, recast)  # [T, N]
     y = y.view(*x.shape[:-1], qw.shape[0])  # [..., N]
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -129,6 +158,7 @@ class QuantLinear(nn.Module):
         double_quant: see :func:`tidal_quant.quantize`.
         outliers: fp8 only: see :func:`quant_linear`.
         fp8_backward: fp8 only: see :func:`quant_linear`.
+        fp8_compute: int8 / nf4 / nvfp4: see :func:`quant_linear`.
         device: where to allocate the (uninitialized) buffers.
         dtype: dtype of the bias.
     """
@@ -144,6 +174,7 @@ class QuantLinear(nn.Module):
         double_quant: bool = False,
         outliers: float = 0.0,
         fp8_backward: bool = False,
+        fp8_compute: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -156,6 +187,7 @@ class QuantLinear(nn.Module):
         self.double_quant = check_double_quant(self.fmt, double_quant)
         self.outliers = check_outliers(self.fmt, outliers)
         self.fp8_backward = check_fp8_backward(self.fmt, fp8_backward)
+        self.fp8_compute = check_fp8_compute(self.fmt, fp8_compute)
         self.in_features = in_features
         self.out_features = out_features
         check_shape(self.fmt, (out_features, in_features), "(out_features, in_features)")
@@ -173,13 +205,13 @@ class QuantLinear(nn.Module):
         Args:
             linear: the layer.
             fmt: the format.
-            **cfg: ``block_size``, ``double_quant``, ``outliers``, ``fp8_backward``.
+            **cfg: ``block_size``, ``double_quant``, ``outliers``, ``fp8_backward``, ``fp8_compute``.
         """
         if not isinstance(linear, nn.Linear):
             raise bad_arg("linear", type(linear).__name__, "a torch.nn.Linear")
-        unknown = set(cfg) - {"block_size", "double_quant", "outliers", "fp8_backward"}
+        unknown = set(cfg) - set(_CFG)
         if unknown:
-            raise bad_arg("cfg", sorted(unknown), "block_size, double_quant, outliers, fp8_backward")
+            raise bad_arg("cfg", sorted(unknown), ", ".join(_CFG))
         w = linear.weight.detach()
         qw = quantize(w, fmt, block_size=cfg.get("block_size"), double_quant=cfg.get("double_quant", False))
         bias_dtype = linear.bias.dtype if linear.bias is not None else torch.bfloat16
@@ -188,6 +220,7 @@ class QuantLinear(nn.Module):
         mod.fmt, mod.block_size, mod.double_quant = qw.fmt, qw.block_size, qw.double_quant
         mod.outliers = check_outliers(qw.fmt, cfg.get("outliers", 0.0))
         mod.fp8_backward = check_fp8_backward(qw.fmt, cfg.get("fp8_backward", False))
+        mod.fp8_compute = check_fp8_compute(qw.fmt, cfg.get("fp8_compute", False))
         mod.in_features, mod.out_features = linear.in_features, linear.out_features
         for field, t in qw.tensors().items():
             mod.register_buffer(_BUFFER[field], t)
@@ -239,13 +272,15 @@ class QuantLinear(nn.Module):
         return qw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _quant_linear(x, self._checked_qweight(), self.bias, self.outliers, self.fp8_backward)
+        qw = self._checked_qweight()
+        return _quant_linear(x, qw, self.bias, self.outliers, self.fp8_backward, self.fp8_compute)
 
     def extra_repr(self) -> str:
         extra = f", block_size={self.block_size}" if self.block_size else ""
         extra += ", double_quant=True" if self.double_quant else ""
         extra += f", outliers={self.outliers}" if self.outliers else ""
         extra += ", fp8_backward=True" if self.fp8_backward else ""
+        extra += ", fp8_compute=True" if self.fp8_compute else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"fmt={self.fmt.value}{extra}"
@@ -270,7 +305,8 @@ def quantize_model_(
         fmt: the format.
         filter: ``filter(qualified_name, linear) -> bool``; only layers it accepts are quantized
             (default: every ``nn.Linear``, e.g. pass ``lambda n, m: n != "lm_head"`` to keep the head).
-        **cfg: ``block_size``, ``double_quant``, ``outliers``, ``fp8_backward`` (see :class:`QuantLinear`).
+        **cfg: ``block_size``, ``double_quant``, ``outliers``, ``fp8_backward``, ``fp8_compute`` (see
+            :class:`QuantLinear`).
 
     Returns:
         ``model`` itself.

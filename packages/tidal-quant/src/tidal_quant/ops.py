@@ -1,7 +1,9 @@
-"""``torch.library`` custom ops (``tidal_quant::*``): a reference kernel for every device, Triton on CUDA.
+"""``torch.library`` custom ops (``tidal_quant::*``) that quantize, dequantize and multiply: a reference kernel
+for every device, Triton on CUDA. The FP8 tensor-core ops are in :mod:`tidal_quant.fp8_ops`, the linear op
+and its autograd in :mod:`tidal_quant.linear_ops`.
 
 [Note: fp8 bytes] float8 tensors cross the op boundary as uint8 views (``as_bytes``): the ops' schema
-checks compare inputs with arithmetic that float8 lacks on the CPU. ``_f8`` views them back.
+checks compare inputs with arithmetic that float8 lacks on the CPU. ``as_f8`` views them back.
 
 Fake (meta) implementations make them traceable by ``torch.compile``. Triton is imported on first CUDA
 use only.
@@ -34,7 +36,8 @@ def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
 
 
-def _f8(t: torch.Tensor) -> torch.Tensor:
+def as_f8(t: torch.Tensor) -> torch.Tensor:
+    """A float8_e4m3fn view of a uint8 tensor (others unchanged): the inverse of :func:`as_bytes`."""
     return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
 
 
@@ -86,7 +89,7 @@ def _(w: torch.Tensor, eff_scales: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- dequantize
-def _dequant_ref(
+def dequant_ref(
     data: torch.Tensor,
     scales: torch.Tensor,
     global_scale: torch.Tensor | None,
@@ -95,15 +98,16 @@ def _dequant_ref(
     block_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The reference dequantization of any format (``shape`` ``(N, K)``; e4m3 tensors as uint8 bytes)."""
     if fmt == "int8":
         return ref.dequantize_int8(data, scales, block_size, dtype)
     if fmt == "nf4":
         return ref.dequantize_nf4(data, scales, shape, block_size, dtype)
     if fmt == "nvfp4":
         assert global_scale is not None
-        return ref.dequantize_nvfp4(data, _f8(scales), global_scale, dtype)
+        return ref.dequantize_nvfp4(data, as_f8(scales), global_scale, dtype)
     assert fmt == "fp8", fmt
-    return ref.dequantize_fp8(_f8(data), scales, dtype)
+    return ref.dequantize_fp8(as_f8(data), scales, dtype)
 
 
 @custom_op("tidal_quant::dequantize", mutates_args=())
@@ -117,7 +121,7 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Dequantize to ``dtype`` ``shape``; ``scales`` are the (already decompressed) block scales."""
-    return _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)
+    return dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)
 
 
 def _dequant_cuda(data, scales, global_scale, fmt, shape, block_size, dtype):
@@ -145,7 +149,7 @@ def dequantize_fast(
     """:func:`dequantize` without the custom-op dispatch outside torch.compile (see [Note: eager path])."""
     if torch.compiler.is_compiling():
         return dequantize(data, scales, global_scale, fmt, shape, block_size, dtype)
-    return _dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype)
+    return dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype)
 
 
 def profiling() -> bool:
@@ -157,7 +161,7 @@ def profiling() -> bool:
 # ------------------------------------------------------------------------------------- matmul
 def _qmatmul_ref(x, data, scales, global_scale, fmt, shape, block_size):
     _log.record_path("dequant_matmul")
-    w = _dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, x.dtype)
+    w = dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, x.dtype)
     return x @ w.t()
 
 
@@ -270,7 +274,7 @@ def choose_kernel(
 
 def _qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size):
     shp = (shape[0], shape[1])
-    if fmt == "nvfp4" and _capability(x.device) >= (10, 0):
+    if fmt == "nvfp4" and capability(x.device) >= (10, 0):
         _log.record(
             "degraded",
             "tidal_quant: this GPU has FP4 tensor cores, but nvfp4 weights are dequantized to "
@@ -297,117 +301,10 @@ def _(x, data, scales, global_scale, fmt, shape, block_size):
     return x.new_empty((x.shape[0], shape[0]))
 
 
-# -------------------------------------------------------------------------------------- fp8
-# [Note: fast accumulation] Hopper's FP8 tensor cores accumulate in reduced precision unless the
-# kernel promotes partial sums to fp32 every few k-steps; ``use_fast_accum=True`` skips the promotion
-# (faster; partial sums keep fewer mantissa bits). As common FP8 training recipes do, the forward
-# product uses it and the input gradient (``fp8_backward``) does not. Tests hold the forward to 40 dB
-# SQNR against the fp32 emulation (ops.fp8_linear on the CPU).
-FP8_FAST_ACCUM_FORWARD = True
-
-
-def _split_outliers(x: torch.Tensor, n_outliers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Zero the ``n_outliers`` input channels of largest |x| (found on device, no sync); return their ids."""
-    if n_outliers <= 0:
-        return x, None
-    idx = x.abs().amax(dim=0).topk(n_outliers).indices  # [k]
-    return x.index_fill(1, idx, 0), idx
-
-
-def _outlier_term(
-    x: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, scales: torch.Tensor
-) -> torch.Tensor:
-    w_out = (_f8(data.index_select(1, idx)).float() * scales[:, None]).to(x.dtype)  # [N, k]
-    return x.index_select(1, idx) @ w_out.t()  # [M, N]
-
-
-def _fp8_linear_ref(x, data, scales, n_outliers):
-    x_in, idx = _split_outliers(x, n_outliers)
-    q, sa = ref.quantize_rows_fp8(x_in)
-    y = (q.float() * sa) @ (_f8(data).float() * scales[:, None]).t()
-    if idx is not None:
-        y = y + _outlier_term(x, idx, data, scales).float()
-    return y.to(x.dtype)
-
-
-def _fp8_linear_cuda(x, data, scales, n_outliers):
-    # one activation-quantization kernel + one _scaled_mm (+ the outlier term when asked for)
-    _log.record_path("fp8_scaled_mm")
-    x_in, idx = _split_outliers(x, n_outliers)
-    q, sa = _tr().quantize_rows_fp8(x_in)  # [M, K] e4m3, [M, 1] fp32 (bit-exact with the reference)
-    y = torch._scaled_mm(
-        q,
-        _f8(data).t(),
-        scale_a=sa,
-        scale_b=scales.view(1, -1),
-        out_dtype=torch.bfloat16,
-        use_fast_accum=FP8_FAST_ACCUM_FORWARD,
-    )  # [M, N]; data.t() is the column-major [K, N] operand _scaled_mm wants, no copy
-    y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
-    if idx is not None:
-        y = y + _outlier_term(x, idx, data, scales)
-    return y
-
-
-@custom_op("tidal_quant::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n_outliers: int) -> torch.Tensor:
-    """FP8 forward: per-token e4m3 activations × per-channel e4m3 weights (+ outlier channels in x.dtype).
-
-    This default kernel emulates the tensor-core path in fp32 (the reference); CUDA runs
-    ``torch._scaled_mm`` with rowwise scales.
-    """
-    return _fp8_linear_ref(x, data, scales, n_outliers)
-
-
-fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
-
-
-@fp8_linear.register_fake
-def _(x, data, scales, n_outliers):
-    return x.new_empty((x.shape[0], data.shape[0]))
-
-
-def _fp8_grad_ref(grad, data, scales):
-    q, sg = ref.quantize_rows_fp8(grad.float() * scales)  # [T, N] e4m3, [T, 1]
-    return ((q.float() * sg) @ _f8(data).float()).to(grad.dtype)
-
-
-_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _fp8_grad_cuda(grad, data, scales):
-    tr = _tr()
-    q, sg = tr.quantize_rows_fp8(grad, col_scale=scales)  # [T, N] e4m3 of grad * scales, [T, 1]
-    w_col = tr.transpose_bytes(_f8(data)).t()  # [N, K] column-major (one tiled transpose kernel)
-    key = (data.shape[1], grad.device)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = _ONES[key] = torch.ones(1, data.shape[1], device=grad.device, dtype=torch.float32)
-    gx = torch._scaled_mm(q, w_col, scale_a=sg, scale_b=ones, out_dtype=torch.bfloat16)  # [T, K]
-    return gx if grad.dtype == torch.bfloat16 else gx.to(grad.dtype)
-
-
-@custom_op("tidal_quant::fp8_grad_input", mutates_args=())
-def fp8_grad_input(grad: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``grad [T, N] @ W [N, K]`` with per-token e4m3 gradients (weight row scales folded into them).
-
-    This default kernel emulates the tensor-core path in fp32; CUDA runs ``torch._scaled_mm``.
-    """
-    return _fp8_grad_ref(grad, data, scales)
-
-
-fp8_grad_input.register_kernel("cuda")(_fp8_grad_cuda)
-
-
-@fp8_grad_input.register_fake
-def _(grad, data, scales):
-    return grad.new_empty((grad.shape[0], data.shape[1]))
-
-
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int]:
     """CUDA compute capability of ``device``, cached (queried once per device, not per call)."""
     cap = _CAPABILITY.get(device)
     if cap is None:
@@ -415,161 +312,22 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
-_TENSOR_CORES: dict[torch.device, bool] = {}
-
-
-def fp8_tensor_cores(device: torch.device) -> bool:
-    """True when ``device`` runs ``torch._scaled_mm`` (CUDA compute capability ≥ 8.9); cached per device."""
-    hit = _TENSOR_CORES.get(device)
-    if hit is None:
-        hit = _TENSOR_CORES[device] = (
-            device.type == "cuda" and hasattr(torch, "_scaled_mm") and _capability(device) >= (8, 9)
-        )
-    return hit
-
-
-def uses_scaled_mm(x: torch.Tensor, fmt: str, shape: Sequence[int]) -> bool:
-    """Whether an fp8 forward on ``x``'s device runs on FP8 tensor cores; logs + records why not, once."""
-    if fmt != "fp8" or x.device.type != "cuda":
-        return False
-    if not fp8_tensor_cores(x.device):
-        _log.record(
-            "degraded",
-            f"tidal_quant: {torch.cuda.get_device_name(x.device)} has no FP8 tensor cores "
-            "(compute capability < 8.9): fp8 weights are dequantized to the activation dtype",
-            once_key="fp8-no-tensor-cores",
-            level=30,
-        )
-        return False
-    if shape[0] % 16 or shape[1] % 16:
-        _log.record(
-            "degraded",
-            f"tidal_quant: fp8 weight {tuple(shape)} is not a multiple of 16 in both dims, which "
-            "torch._scaled_mm needs; it is dequantized instead",
-            once_key=f"fp8-shape-{tuple(shape)}",
-            level=30,
-        )
-        return False
-    return True
-
-
-# ------------------------------------------------------------------------------------- linear
-@custom_op("tidal_quant::linear", mutates_args=())
-def linear(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    fmt: str,
-    shape: Sequence[int],
-    block_size: int,
-    n_outliers: int,
-    fp8_grad: bool,
-) -> torch.Tensor:
-    """``x [T, K] @ Wᵀ`` for a quantized ``W [N, K]``; autograd gives the gradient of ``x`` only.
-
-    With ``fp8_grad`` (fp8 weights on FP8 tensor cores) the input gradient runs on ``torch._scaled_mm``
-    too, with per-token e4m3 gradients; otherwise it is ``grad @ dequantize(W)``.
-    """
-    if uses_scaled_mm(x, fmt, shape):
-        return fp8_linear(x.contiguous(), data, scales, n_outliers)
-    return qmatmul(x, data, scales, global_scale, fmt, shape, block_size)
-
-
-@linear.register_fake
-def _(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad):
-    return x.new_empty((x.shape[0], shape[0]))
-
-
-def _save_for_grad(ctx, data, scales, global_scale, fmt, shape, block_size, fp8_grad) -> None:
-    """Keep what the input gradient needs (shared by the custom op and the eager path)."""
-    ctx.save_for_backward(data, scales, global_scale)
-    ctx.meta = (fmt, shape, block_size, fp8_grad)
-
-
-def _input_grad_only(ctx, grad, grad_fn):
-    """The backward of ``linear``'s 9 inputs: ``grad_fn`` gives ``x``'s gradient, the rest get none."""
-    data, scales, global_scale = ctx.saved_tensors
-    gx = None
-    if ctx.needs_input_grad[0]:
-        gx = grad_fn(grad, data, scales, global_scale, *ctx.meta)  # [T, K]
-    return gx, None, None, None, None, None, None, None, None
-
-
-def _grad_ops(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad):
-    # through the registered ops, so torch.compile traces them
-    if fp8_grad and uses_scaled_mm(grad, fmt, shape):
-        return fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
-    w = dequantize(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
-    return grad @ w  # [T, K]
-
-
-def _linear_setup(ctx, inputs, output):
-    _, data, scales, global_scale, fmt, shape, block_size, _, fp8_grad = inputs
-    _save_for_grad(ctx, data, scales, global_scale, fmt, list(shape), block_size, fp8_grad)
-
-
-def _linear_backward(ctx, grad):
-    return _input_grad_only(ctx, grad, _grad_ops)
-
-
-torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_context=_linear_setup)
-
-
-# ------------------------------------------------------------------------------- eager fast path
-# [Note: eager path] Outside torch.compile, quant_linear calls the same per-device implementations as
-# the custom ops above, through one autograd.Function: a custom op (with its autograd wrapper and the
-# nested ops it calls) costs tens of microseconds of host time per call, which an un-overlapped layer
-# step pays in full. Under torch.compile the registered ops are used, so tracing is unchanged.
-def _by_device(cuda_fn, ref_fn, t: torch.Tensor):
+# [Note: eager path] Outside torch.compile, quant_linear and dequantize call the per-device implementations
+# of the custom ops directly: a custom op (with its autograd wrapper and the nested ops it calls) costs tens
+# of microseconds of host time per call, which an un-overlapped layer step pays in full. Under
+# torch.compile the registered ops are used, so tracing is unchanged.
+def by_device(cuda_fn, ref_fn, t: torch.Tensor):
+    """``cuda_fn`` for a CUDA tensor ``t``, else ``ref_fn`` (the reference, any device)."""
     return cuda_fn if t.device.type == "cuda" else ref_fn
 
 
-def _dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype):
-    fn = _by_device(_dequant_cuda, _dequant_ref, data)
+def dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype):
+    """:func:`dequantize` without the custom-op dispatch (see [Note: eager path])."""
+    fn = by_device(_dequant_cuda, dequant_ref, data)
     return fn(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)  # [N, K]
 
 
-def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers):
-    if uses_scaled_mm(x, fmt, shape):
-        return _fp8_linear_cuda(x.contiguous(), data, scales, n_outliers)
-    fn = _by_device(_qmatmul_cuda, _qmatmul_ref, x)
+def qmatmul_eager(x, data, scales, global_scale, fmt, shape, block_size):
+    """:func:`qmatmul` without the custom-op dispatch (see [Note: eager path])."""
+    fn = by_device(_qmatmul_cuda, _qmatmul_ref, x)
     return fn(x, data, scales, global_scale, fmt, shape, block_size)
-
-
-def _grad_impl(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad):
-    if fp8_grad and uses_scaled_mm(grad, fmt, shape):
-        return _fp8_grad_cuda(grad.contiguous(), data, scales)  # [T, K]
-    w = _dequant_eager(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
-    return grad @ w  # [T, K]
-
-
-class _EagerLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad):
-        _save_for_grad(ctx, data, scales, global_scale, fmt, shape, block_size, fp8_grad)
-        return _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _input_grad_only(ctx, grad, _grad_impl)
-
-
-def linear_fast(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    fmt: str,
-    shape: Sequence[int],
-    block_size: int,
-    n_outliers: int,
-    fp8_grad: bool,
-) -> torch.Tensor:
-    """:func:`linear` with the least host overhead: the custom op under torch.compile, else one
-    autograd.Function over the same implementations (see [Note: eager path])."""
-    if torch.compiler.is_compiling():
-        return linear(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad)
-    if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate: skip autograd
-        return _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
-    return _EagerLinear.apply(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad)

@@ -11,6 +11,10 @@ Rounding rules (all arithmetic in fp32):
 - FP8: ``scale = rowmax / 448``; ``q = e4m3_rne(clamp(x / scale, ±448))``.
 - NVFP4: ``g = amax / (6·448)``; block scale ``e4m3_rne(min(blockmax / (6·g), 448))``; codes are e2m1
   round-half-even of ``x / (scale·g)`` saturating at 6; low nibble holds the even element.
+- FP8 compute of a block format (``fp8_compute``): the row scale is ``max(block scale) · code max / 448``
+  over the row's blocks (code max: int8 127, NF4 1, NVFP4 6 times ``g``), a bound on the row's largest
+  dequantized value taken from the scales alone; ``q = e4m3_rne(clamp(w / scale, ±448))`` of the fp32
+  dequantized ``w``.
 """
 
 from __future__ import annotations
@@ -184,6 +188,43 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = div_const(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_(min=1e-12)  # [T, 1]
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+# ------------------------------------------------------------------------------------- fp8 compute
+#: Largest |code value| of each block format: no dequantized weight exceeds its block scale times this.
+CODE_MAX = {"int8": 127.0, "nf4": 1.0, "nvfp4": E2M1_MAX}
+
+
+def fp8_row_scales(
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: tuple[int, int],
+    block_size: int,
+) -> torch.Tensor:
+    """fp32 ``[N]`` scales of a block-format weight recast to e4m3, one per output row.
+
+    Args:
+        scales: the decompressed block scales: fp32 ``[n_blocks]`` (int8, nf4; blocks inside rows, so
+            ``in_features % block_size == 0``) or e4m3 ``[N, K / 16]`` (nvfp4).
+        global_scale: nvfp4's fp32 ``[1]`` tensor scale, else None.
+        fmt: "int8", "nf4" or "nvfp4".
+        shape: ``(N, K)``.
+        block_size: elements per block.
+    """
+    n, k = shape
+    if fmt == "nvfp4":
+        assert global_scale is not None
+        s = scales.float() * global_scale  # [N, K/16] effective block scales, as the dequantization
+    else:
+        s = scales.view(n, k // block_size)  # [N, K/bs]
+    return div_const(s.amax(dim=1) * CODE_MAX[fmt], FP8_MAX)
+
+
+def recast_fp8(w: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes ``[N, K]`` of the fp32 dequantized weight ``w`` at the given per-row scales."""
+    safe = torch.where(row_scales == 0, torch.ones_like(row_scales), row_scales)
+    return (w.float() / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------- nvfp4

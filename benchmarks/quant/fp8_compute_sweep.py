@@ -1,0 +1,109 @@
+"""``fp8_compute`` on the GPU machine (~1 min): the recast kernels' launch configs, and where it pays off.
+
+    python3 benchmarks/quant/fp8_compute_sweep.py     # with packages/*/src on PYTHONPATH
+
+1. The e4m3 recast of NF4 and NVFP4 weights at Qwen2.5-14B's layer shapes, over launch configs of both
+   kernels (rows: rows per program, columns per step, warps; transposed: tile rows, tile columns, warps),
+   against the HBM copy bandwidth (packed codes and scales read, one byte per weight written). Each config
+   must give the default's bytes (checked before it is timed); times come from a CUDA graph of 10 calls.
+2. Forward, and forward + input gradient, of NF4 layers with and without ``fp8_compute`` (the recast forced
+   at every token count) from 16 to 512 tokens: device time from a CUDA graph and eager back-to-back time,
+   which sets :data:`tidal_quant.fp8_ops.FP8_COMPUTE_MIN_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import qbench
+
+from tidal_quant import _triton_recast, fp8_ops, ops
+from tidal_quant.api import block_scales
+
+ROWS = [(2, 512, 4), (4, 512, 4), (8, 512, 8), (4, 256, 4), (4, 1024, 8)]
+COLS = [(64, 64, 4), (32, 64, 4), (64, 128, 8), (128, 64, 8)]
+TOKENS = [16, 64, 128, 256, 512]
+
+
+def recast_rows_table(copy: float) -> list[str]:
+    rows = ["| kernel, format, weight | rows / tile rows | columns | warps | device µs | GB/s | of copy bw |"]
+    rows.append("|---|---:|---:|---:|---:|---:|---:|")
+    for fmt in ("nf4", "nvfp4"):
+        for _name, in_f, out_f in qbench.QWEN14B_LAYERS:
+            qw = qbench.nf4_weight(in_f, out_f, fmt)
+            data, scales, g = ops.as_bytes(qw.data), ops.as_bytes(block_scales(qw)), qw.global_scale
+            shape, bs = qw.shape, qw.block_size
+            nbytes = qw.nbytes() + qw.numel  # codes + scales read, one e4m3 byte per weight written
+
+            run_rows = functools.partial(_triton_recast.recast_rows, fmt, data, scales, g, shape, bs)
+            label = f"rows {fmt} {out_f}x{in_f}"
+            rows += qbench.config_sweep(label, ROWS, _triton_recast.ROWS_CONFIG, run_rows, nbytes, copy)
+            _, rs = run_rows(None)
+            cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs, shape, bs)
+            label = f"transposed {fmt} {out_f}x{in_f}"
+            rows += qbench.config_sweep(
+                label, COLS, _triton_recast.COLS_CONFIG, lambda cfg, cols=cols: (cols(cfg),), nbytes, copy
+            )
+            torch.cuda.empty_cache()
+    return rows
+
+
+def crossover_table() -> list[str]:
+    rows = [
+        "| shape | tokens | nf4 fwd µs (graph / b2b) | nf4-fp8 fwd µs (graph / b2b) "
+        "| nf4 fwd+bwd µs (graph / b2b) | nf4-fp8 fwd+bwd µs (graph / b2b) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    saved, fp8_ops.FP8_COMPUTE_MIN_TOKENS = fp8_ops.FP8_COMPUTE_MIN_TOKENS, 0  # the recast at every count
+    try:
+        for in_f, out_f in ((5120, 13824), (5120, 5120)):
+            w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
+            layers = {k: qbench.make_layer(k, in_f, out_f, w) for k in ("nf4", "nf4-fp8")}
+            for tokens in TOKENS:
+                x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                g = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
+                cells = [f"{in_f}→{out_f}", str(tokens)]
+                timed = {}
+                for k, layer in layers.items():
+
+                    def fwd(layer=layer, x=x):
+                        with torch.no_grad():
+                            return layer(x)
+
+                    step = qbench.input_grad(layer, x, g)
+                    timed[k] = [
+                        (qbench.graph_ms(fn), qbench.cuda_ms_pipelined(fn, reps=20)) for fn in (fwd, step)
+                    ]
+                for part in (0, 1):
+                    for k in ("nf4", "nf4-fp8"):
+                        dev, b2b = timed[k][part]
+                        cells.append(f"{dev * 1e3:.0f} / {b2b * 1e3:.0f}")
+                # columns in header order: nf4 fwd, nf4-fp8 fwd, nf4 fwd+bwd, nf4-fp8 fwd+bwd
+                rows.append("| " + " | ".join(cells) + " |")
+            del layers
+            torch.cuda.empty_cache()
+    finally:
+        fp8_ops.FP8_COMPUTE_MIN_TOKENS = saved
+    return rows
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_compute_sweep.py needs CUDA (run it on the GPU machine)")
+    t0 = time.perf_counter()
+    copy = qbench.copy_gbps()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; HBM copy {copy:.0f} GB/s\n")
+    print("\n".join(recast_rows_table(copy)) + "\n", flush=True)
+    print("Where fp8_compute pays off (recast forced at every token count)\n")
+    print("\n".join(crossover_table()), flush=True)
+    print(f"\nsweep in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

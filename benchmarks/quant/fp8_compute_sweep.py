@@ -3,9 +3,11 @@
     python3 benchmarks/quant/fp8_compute_sweep.py     # with packages/*/src on PYTHONPATH
 
 1. The e4m3 recast of NF4 and NVFP4 weights at Qwen2.5-14B's layer shapes, over launch configs of both
-   kernels (rows: rows per program, columns per step, warps; transposed: tile rows, tile columns, warps),
-   against the HBM copy bandwidth (packed codes and scales read, one byte per weight written). Each config
-   must give the default's bytes (checked before it is timed); times come from a CUDA graph of 10 calls.
+   operands' kernels (row-major: the row-scales kernel and the dequantize kernel's e4m3 output, packed
+   bytes per program and warps; transposed: tile rows, tile columns, warps), against the HBM copy
+   bandwidth (packed codes and scales read, one byte per weight written), and the transposed recast
+   against the row-major one followed by a byte transpose. Each config must give the default's bytes
+   (checked before it is timed); times come from a CUDA graph of 10 calls.
 2. Forward, and forward + input gradient, of NF4 layers with and without ``fp8_compute`` (the recast forced
    at every token count) from 16 to 512 tokens: device time from a CUDA graph and eager back-to-back time,
    which sets :data:`tidal_quant.fp8_ops.FP8_COMPUTE_MIN_TOKENS`.
@@ -23,35 +25,49 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qbench
 
-from tidal_quant import _triton_recast, fp8_ops, ops
+from tidal_quant import _triton, _triton_recast, fp8_ops, ops
 from tidal_quant.api import block_scales
 
-ROWS = [(2, 512, 4), (4, 512, 4), (8, 512, 8), (4, 256, 4), (4, 1024, 8)]
-COLS = [(64, 64, 4), (32, 64, 4), (64, 128, 8), (128, 64, 8)]
+ROWS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # packed bytes per program, warps (4-bit formats)
+COLS = [(64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8), (64, 128, 8)]  # tile rows, columns, warps
 TOKENS = [16, 64, 128, 256, 512]
 
 
-def recast_rows_table(copy: float) -> list[str]:
-    rows = ["| kernel, format, weight | rows / tile rows | columns | warps | device µs | GB/s | of copy bw |"]
-    rows.append("|---|---:|---:|---:|---:|---:|---:|")
+def _weights():
+    """(label, fmt, data, scales, global scale, shape, block size, bytes a recast moves) per case."""
     for fmt in ("nf4", "nvfp4"):
         for _name, in_f, out_f in qbench.QWEN14B_LAYERS:
             qw = qbench.nf4_weight(in_f, out_f, fmt)
-            data, scales, g = ops.as_bytes(qw.data), ops.as_bytes(block_scales(qw)), qw.global_scale
-            shape, bs = qw.shape, qw.block_size
+            data, scales = ops.as_bytes(qw.data), ops.as_bytes(block_scales(qw))
             nbytes = qw.nbytes() + qw.numel  # codes + scales read, one e4m3 byte per weight written
+            yield f"{fmt} {out_f}x{in_f}", fmt, data, scales, qw.global_scale, qw.shape, qw.block_size, nbytes
 
-            run_rows = functools.partial(_triton_recast.recast_rows, fmt, data, scales, g, shape, bs)
-            label = f"rows {fmt} {out_f}x{in_f}"
-            rows += qbench.config_sweep(label, ROWS, _triton_recast.ROWS_CONFIG, run_rows, nbytes, copy)
-            _, rs = run_rows(None)
-            cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs, shape, bs)
-            label = f"transposed {fmt} {out_f}x{in_f}"
-            rows += qbench.config_sweep(
-                label, COLS, _triton_recast.COLS_CONFIG, lambda cfg, cols=cols: (cols(cfg),), nbytes, copy
-            )
-            torch.cuda.empty_cache()
-    return rows
+
+def recast_tables(copy: float) -> list[str]:
+    rows_t = ["| row-major recast, weight | bytes per program | warps | device µs | GB/s | of copy bw |"]
+    rows_t.append("|---|---:|---:|---:|---:|---:|")
+    cols_t = [
+        "| transposed recast, weight | tile rows | tile columns | warps | device µs | GB/s | of copy bw |"
+    ]
+    cols_t.append("|---|---:|---:|---:|---:|---:|---:|")
+    alt = [
+        "| transposed operand, weight | recast_cols µs | recast_rows + transpose_bytes µs |",
+        "|---|---:|---:|",
+    ]
+    for label, fmt, data, scales, g, shape, bs, nbytes in _weights():
+        rows = functools.partial(_triton_recast.recast_rows, fmt, data, scales, g, shape, bs)
+        default = _triton.DEQUANT_4BIT_CONFIG
+        rows_t += qbench.config_sweep(label, ROWS, default, rows, nbytes, copy)
+        _, rs = rows(None)
+        cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs, shape, bs)
+        cols_t += qbench.config_sweep(
+            label, COLS, _triton_recast.COLS_CONFIG, lambda cfg, cols=cols: (cols(cfg),), nbytes, copy
+        )
+        direct = qbench.graph_ms(lambda cols=cols: cols(None))
+        via = qbench.graph_ms(lambda rows=rows: _triton.transpose_bytes(rows(None)[0]))
+        alt.append(f"| {label} | {direct * 1e3:.1f} | {via * 1e3:.1f} |")
+        torch.cuda.empty_cache()
+    return [*rows_t, "", *cols_t, "", *alt]
 
 
 def crossover_table() -> list[str]:
@@ -99,7 +115,7 @@ def main() -> None:
     t0 = time.perf_counter()
     copy = qbench.copy_gbps()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; HBM copy {copy:.0f} GB/s\n")
-    print("\n".join(recast_rows_table(copy)) + "\n", flush=True)
+    print("\n".join(recast_tables(copy)) + "\n", flush=True)
     print("Where fp8_compute pays off (recast forced at every token count)\n")
     print("\n".join(crossover_table()), flush=True)
     print(f"\nsweep in {time.perf_counter() - t0:.0f} s")

@@ -141,8 +141,10 @@ _INTERP = textwrap.dedent(
     import tidal_quant as tq
     from tidal_quant import _triton_recast as R, fp8_ops, ops
     from tidal_quant.api import block_scales
-    # fp32 outputs: the interpreter's fp32 -> e4m3 cast does not carry a rounding into the exponent, so the
-    # e4m3 bytes are checked on the GPU; here the values the cast receives must equal the reference's
+    # The interpreter's fp32 -> e4m3 cast rounds ties away from zero and does not carry a rounding into
+    # the exponent (it gives 64 for 127.4): the transposed kernel stores fp32 here and must equal the
+    # values the reference casts; each row-major code must be an e4m3 neighbour of its value, or that carry
+    # (this catches a misplaced weight, pair or row; the GPU tests check every byte)
     for fmt, bs, (n, k) in [("nf4", 64, (48, 256)), ("nf4", 32, (32, 512)), ("int8", 64, (48, 256)),
                             ("int8", 6, (16, 96)), ("nvfp4", None, (32, 256))]:
         w = torch.randn(n, k) * torch.rand(n, 1)
@@ -153,19 +155,20 @@ _INTERP = textwrap.dedent(
         wd = ops.dequant_ref(data, scales, g, fmt, (n, k), bs, torch.float32)
         want_rs = fp8_ops.fp8_row_scales(scales, g, fmt, (n, k), bs)
         want = (wd / torch.where(want_rs == 0, 1, want_rs)[:, None]).clamp(-448, 448)
-        d, sc, gp, tab = R._operands(fmt, data, scales, g)
-        nsb = triton.next_power_of_2(k // bs)
-        for bn, bk in [(4, 512), (2, 64), (8, 128)]:
-            bk = R._pow2_dividing(k, bk)
-            q, rs = torch.empty(n, k), torch.empty(n)
-            R._recast_rows_kernel[(triton.cdiv(n, bn),)](
-                d, sc, gp, tab, q, rs, n, k, R._FMT[fmt], bs, nsb, R._CODE_MAX[fmt], bn, bk, R.scale_mode(bs, bk))
-            assert torch.equal(rs, want_rs) and torch.equal(q, want), (fmt, bs, bn, bk)
-        for bn, bk in [(64, 64), (16, 32)]:
+        q, rs = R.recast_rows(fmt, data, scales, g, (n, k), bs)
+        assert torch.equal(rs, want_rs), (fmt, bs, "row scales")
+        got, ref = q.float(), want.to(torch.float8_e4m3fn).float()
+        ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0**-6))) - 3)  # e4m3 spacing
+        near = (got - want).abs() <= ulp
+        carry = (ref.view(torch.int32) & 0x007FFFFF == 0) & (got == ref / 2)
+        assert bool((near | carry).all()) and (got == ref).float().mean() > 0.9, (fmt, bs, "codes")
+        sc, gp = R._operands(fmt, scales, g)
+        tab = ops._tr().table("e2m1" if fmt == "nvfp4" else "nf4", data.device)
+        for bn, bk in [(64, 64), (16, 32), (32, 128)]:
             bk = R._pow2_dividing(k, bk)
             qt = torch.empty(k, n)
             R._recast_cols_kernel[(triton.cdiv(n, bn), k // bk)](
-                d, sc, gp, tab, want_rs, qt, n, k, R._FMT[fmt], bs, bn, bk, R.scale_mode(bs, bk))
+                data, sc, gp, tab, want_rs, qt, n, k, R._FMT[fmt], bs, bn, bk)
             assert torch.equal(qt, want.t()), (fmt, bs, bn, bk)
     print("ok")
     """
@@ -191,7 +194,7 @@ def test_recast_kernels_bit_exact(fmt, shape):
     qw = tq.quantize(_weight(*shape).cuda(), fmt)
     data, scales, g = _args(qw)
     want, want_rs = _recast(qw.to("cpu"))
-    for config in (None, (2, 128, 4), (8, 256, 8)):  # the default and two others: the same bytes
+    for config in (None, (2048, 8)):  # the default and another launch config: the same bytes
         q, rs = _triton_recast.recast_rows(fmt, data, scales, g, shape, qw.block_size, config)
         assert_bitwise_equal(rs, want_rs, f"{fmt} {shape} row scales {config}")
         assert_bitwise_equal(q.view(torch.uint8), want, f"{fmt} {shape} codes {config}")

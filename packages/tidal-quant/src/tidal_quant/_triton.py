@@ -167,13 +167,23 @@ def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def e4m3_of(w, rs):
+    """``w / rs`` (an rs of 0 divides by 1) clamped to ±448, fp32 (``rs`` broadcasts against ``w``); the
+    caller's cast to e4m3 rounds to nearest even, as :func:`tidal_quant.reference.recast_fp8`."""
+    safe = tl.where(rs == 0.0, 1.0, rs)
+    y = tl.math.div_rn(w, safe + tl.zeros_like(w))
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
 def _dequant_int8_kernel(
-    d_ptr, s_ptr, out_ptr, numel, BS: tl.constexpr, NG: tl.constexpr, EVEN: tl.constexpr,
-    WIDE: tl.constexpr,
+    d_ptr, s_ptr, out_ptr, numel, rs_ptr, K, BS: tl.constexpr, NG: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr, E4M3: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 8 contiguous int8 codes; a block size that is a multiple of 8 loads one
     # scale per group (broadcast), any other even block size one per element. The [NG, 8] code tile and
-    # the [NG, 8] output tile share one register layout (8 codes in, 8 values out per thread)
+    # the [NG, 8] output tile share one register layout (8 codes in, 8 values out per thread). E4M3: the
+    # values become e4m3 codes at their row's scale rs[row] (rows of K elements, K % 8 == 0)
     pid = tl.program_id(0)
     if WIDE:  # 2**31 elements or more: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -185,7 +195,10 @@ def _dequant_int8_kernel(
             s = tl.load(s_ptr + (grp * 8) // BS)[:, None]
         else:
             s = tl.load(s_ptr + u // BS)
-        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty))
+        v = q * s
+        if E4M3:
+            v = e4m3_of(v, tl.load(rs_ptr + (grp * 8) // K)[:, None])
+        tl.store(out_ptr + u, v.to(out_ptr.dtype.element_ty))
     else:
         m = u < numel
         q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
@@ -193,19 +206,23 @@ def _dequant_int8_kernel(
             s = tl.load(s_ptr + (grp * 8) // BS, mask=grp * 8 < numel, other=0.0)[:, None]
         else:
             s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
-        tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
+        v = q * s
+        if E4M3:
+            v = e4m3_of(v, tl.load(rs_ptr + (grp * 8) // K, mask=grp * 8 < numel, other=1.0)[:, None])
+        tl.store(out_ptr + u, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _dequant_4bit_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks,
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, rs_ptr, K,
     GB: tl.constexpr, NG: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr, EVEN: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 4 contiguous packed bytes (4 * NG bytes, GB per scale block). Byte i
     # holds elements 2i and 2i+1, so both are packed into one output word (OUT 0: bf16 pair as an
-    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word) stored at word i: the [NG, 4] byte tile
-    # and the [NG, 4] word tile share one register layout, so no shuffle sits between load and store.
+    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair at the row's scale rs[row]
+    # as an int16 word; rows of K elements, K % 8 == 0) stored at word i: the [NG, 4] byte tile and the
+    # [NG, 4] word tile share one register layout, so no shuffle sits between load and store.
     pid = tl.program_id(0)
     if WIDE:  # more than 2**31 bytes: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -228,7 +245,15 @@ def _dequant_4bit_kernel(
         second = byte & 15
     v0 = tl.load(tab_ptr + first) * s  # [NG, 4] even elements (fp32, as the reference)
     v1 = tl.load(tab_ptr + second) * s  # [NG, 4] odd elements
-    if OUT == 2:  # fp32 pair → one 64-bit word, even element in the low half (little-endian)
+    if OUT == 3:  # e4m3 pair → one 16-bit word, even element in the low byte
+        if EVEN:
+            rs = tl.load(rs_ptr + (grp * 8) // K)[:, None]
+        else:
+            rs = tl.load(rs_ptr + (grp * 8) // K, mask=grp * 4 < n_bytes, other=1.0)[:, None]
+        e0 = e4m3_of(v0, rs).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+        e1 = e4m3_of(v1, rs).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+        w = (e0 | (e1 << 8)).to(tl.int16, bitcast=True)
+    elif OUT == 2:  # fp32 pair → one 64-bit word, even element in the low half (little-endian)
         lo = v0.to(tl.uint32, bitcast=True).to(tl.uint64)
         w = (lo | (v1.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
     else:  # 16-bit pair (round to nearest even, as torch) → one 32-bit word
@@ -274,11 +299,23 @@ DEQUANT_4BIT_CONFIG = (1024, 4)
 
 
 def _dequant_4bit(
-    nvfp4, data, scales, global_scale, shape, block_size, dtype, config: tuple[int, int] | None = None
+    nvfp4,
+    data,
+    scales,
+    global_scale,
+    shape,
+    block_size,
+    dtype,
+    config: tuple[int, int] | None = None,
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """NF4 / NVFP4 → ``dtype``, or with ``row_scales`` → e4m3 codes at those per-row scales (``dtype`` unused)."""
     numel = shape[0] * shape[1]
     n_bytes = data.numel()
-    out_id, word = _WORDS[dtype]
+    if row_scales is None:
+        out_id, word = _WORDS[dtype]
+    else:
+        dtype, (out_id, word) = torch.float8_e4m3fn, (3, torch.int16)
     # [2 * n_bytes] elements (one of padding when numel is odd), written as n_bytes words
     flat = torch.empty(2 * n_bytes, dtype=dtype, device=data.device)
     gb = 8 if nvfp4 else block_size // 2  # packed bytes per scale (a power of two ≥ 8)
@@ -288,11 +325,47 @@ def _dequant_4bit(
     per_program, warps = config or DEQUANT_4BIT_CONFIG
     even = n_bytes % per_program == 0
     wide = n_bytes + per_program >= 2**31
+    rs = row_scales if row_scales is not None else scales
     _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](
-        data, scales, g, tab, flat.view(word), n_bytes, nb, gb, per_program // 4, nvfp4, out_id, even, wide,
-        num_warps=warps,
+        data, scales, g, tab, flat.view(word), n_bytes, nb, rs, shape[1], gb, per_program // 4, nvfp4,
+        out_id, even, wide, num_warps=warps,
     )  # fmt: skip
     return (flat if numel == flat.numel() else flat[:numel]).view(shape)
+
+
+def _dequant_int8(
+    data, scales, shape, block_size, dtype, row_scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int8 → ``dtype``, or with ``row_scales`` → e4m3 codes at those per-row scales (``dtype`` unused)."""
+    e4m3 = row_scales is not None
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn if e4m3 else dtype, device=data.device)
+    numel = shape[0] * shape[1]
+    blk = 8192  # codes per program: 32 per thread at 8 warps
+    even, wide = numel % blk == 0, numel + blk >= 2**31
+    rs = row_scales if e4m3 else scales
+    _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
+        data, scales, out, numel, rs, shape[1], block_size, blk // 8, even, wide, e4m3, num_warps=8
+    )
+    return out
+
+
+def recast_e4m3(
+    fmt_id: int,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    shape: tuple[int, int],
+    block_size: int,
+    row_scales: torch.Tensor,
+    config: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """e4m3 codes ``[N, K]`` of an int8 / NF4 / NVFP4 weight at fp32 ``row_scales [N]``: the dequantize
+    kernel with e4m3 output, one byte per weight written (``K % 8 == 0``; ``config`` as 4-bit dequantize's)."""
+    if fmt_id == FMT_INT8:
+        return _dequant_int8(data, scales, shape, block_size, None, row_scales)
+    return _dequant_4bit(
+        fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, None, config, row_scales
+    )
 
 
 def dequantize(
@@ -309,19 +382,13 @@ def dequantize(
     scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     if fmt_id in (FMT_NF4, FMT_NVFP4):
         return _dequant_4bit(fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, dtype)
-    out = torch.empty(shape, dtype=dtype, device=data.device)
-    numel = shape[0] * shape[1]
     if fmt_id == FMT_INT8:
-        blk = 8192  # codes per program: 32 per thread at 8 warps
-        even, wide = numel % blk == 0, numel + blk >= 2**31
-        _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
-            data, scales, out, numel, block_size, blk // 8, even, wide, num_warps=8
-        )
-    else:
-        assert fmt_id == FMT_FP8, fmt_id
-        n, k = shape
-        grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
-        _dequant_fp8_kernel[grid](data, scales, out, n, k, 16, 512, num_warps=8)
+        return _dequant_int8(data, scales, shape, block_size, dtype)
+    assert fmt_id == FMT_FP8, fmt_id
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    n, k = shape
+    grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
+    _dequant_fp8_kernel[grid](data, scales, out, n, k, 16, 512, num_warps=8)
     return out
 
 

@@ -1,10 +1,11 @@
 """Triton kernels that recast int8 / NF4 / NVFP4 weights to e4m3 with one scale per output row (CUDA).
 
-They serve ``fp8_compute``: the weight is dequantized tile by tile in registers, as the fused
-dequant-matmul does, divided by its row's scale and stored as e4m3 codes, one byte per weight, ready for
-``torch._scaled_mm``. :func:`recast_rows` writes ``[N, K]`` (the forward's operand) and the row scales;
-:func:`recast_cols` writes ``[K, N]`` (the input gradient's operand) from given row scales. Both match
-:func:`tidal_quant.reference.recast_fp8` and :func:`~tidal_quant.reference.fp8_row_scales` bit for bit.
+They serve ``fp8_compute``. :func:`recast_rows` finds the row scales from the block scales (one small
+kernel) and writes the ``[N, K]`` codes, the forward's operand, with the dequantize kernels' e4m3 output
+(their flat, shuffle-free layout: one byte per weight written). :func:`recast_cols` writes the ``[K, N]``
+codes, the input gradient's operand, from given row scales: tiles of packed bytes decoded into their even
+and odd weights, each half transposed and stored. Both match :func:`tidal_quant.reference.recast_fp8` and
+:func:`~tidal_quant.reference.fp8_row_scales` bit for bit.
 """
 
 from __future__ import annotations
@@ -13,65 +14,68 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_NVFP4, _decode_e4m3, scale_mode, table, tile_values
+from tidal_quant._triton import FMT_INT8, FMT_NVFP4, _decode_e4m3, e4m3_of, recast_e4m3, table
 
-_FMT = {"int8": 0, "nf4": 1, "nvfp4": 2}
+_FMT = {"int8": FMT_INT8, "nf4": 1, "nvfp4": FMT_NVFP4}
 _CODE_MAX = {"int8": 127.0, "nf4": 1.0, "nvfp4": 6.0}  # reference.CODE_MAX, as kernel constants
 
-# (rows per program, columns per step, warps) of recast_rows: each program walks whole rows, so the row
-# scale is found once; (rows, columns, warps) of recast_cols' [rows, columns] tiles, 64 x 64 bytes out
-ROWS_CONFIG = (4, 512, 4)
+# (tile rows, tile columns, warps) of recast_cols; recast_rows takes the dequantize kernel's config
 COLS_CONFIG = (64, 64, 4)
+_SCALES_PER_PROGRAM = 4096  # block scales one row-scales program reads
 
 
 @triton.jit
-def _e4m3_of(w, rs):
-    """``w / rs`` (rs 0: 1) clamped to ±448, fp32; the caller's cast to e4m3 rounds to nearest even."""
-    safe = tl.where(rs == 0.0, 1.0, rs)
-    y = tl.math.div_rn(w, safe[:, None] + tl.zeros_like(w))
-    return tl.minimum(tl.maximum(y, -448.0), 448.0)
-
-
-@triton.jit
-def _recast_rows_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, q_ptr, rs_ptr, N, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
-    NSB: tl.constexpr, CODE_MAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SMODE: tl.constexpr,
+def _row_scales_kernel(
+    s_ptr, g_ptr, rs_ptr, N, PER_ROW: tl.constexpr, NSB: tl.constexpr, FMT: tl.constexpr,
+    CODE_MAX: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    # one program: BN whole rows. The rows' scales first (from the block scales alone), then the rows'
-    # codes BK columns at a time; K % BK == 0 and K % BS == 0 (blocks stay inside rows)
+    # one program: BN rows' scales, max(block scale) * CODE_MAX / 448 over the row's PER_ROW blocks
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mn = rn < N
-    per_row: tl.constexpr = K // BS
-    sb = tl.arange(0, NSB)  # [NSB] block of the row (NSB: next power of two >= per_row)
-    ms = mn[:, None] & (sb[None, :] < per_row)
-    s = tl.load(s_ptr + rn[:, None] * per_row + sb[None, :], mask=ms, other=0)  # [BN, NSB]
+    sb = tl.arange(0, NSB)  # [NSB] (the next power of two >= PER_ROW)
+    ms = mn[:, None] & (sb[None, :] < PER_ROW)
+    s = tl.load(s_ptr + rn[:, None] * PER_ROW + sb[None, :], mask=ms, other=0)  # [BN, NSB]
     if FMT == 2:  # nvfp4: e4m3 block scales times the tensor scale, as the dequantization
         s = _decode_e4m3(s) * tl.load(g_ptr)
     bound = tl.max(s, axis=1) * CODE_MAX  # [BN] no weight of the row is larger
-    rs = tl.math.div_rn(bound, tl.full((BN,), 448.0, tl.float32))
-    tl.store(rs_ptr + rn, rs, mask=mn)
-    for kt in range(0, K // BK):
-        k0 = kt * BK
-        w = tile_values(d_ptr, s_ptr, g_ptr, tab_ptr, rn, mn, k0, K, FMT, BS, BN, BK, SMODE)  # [BN, BK]
-        rk = k0 + tl.arange(0, BK)
-        y = _e4m3_of(w, rs)
-        tl.store(q_ptr + rn[:, None] * K + rk[None, :], y.to(q_ptr.dtype.element_ty), mask=mn[:, None])
+    tl.store(rs_ptr + rn, tl.math.div_rn(bound, tl.full((BN,), 448.0, tl.float32)), mask=mn)
+
+
+@triton.jit
+def _store_transposed(qt_ptr, y, rk, rn, mn, N):
+    """``y [BN, C]`` (weight rows ``rn``, columns ``rk``) as e4m3 at ``qt[rk, rn]`` (``qt`` is ``[K, N]``)."""
+    t = tl.trans(y.to(qt_ptr.dtype.element_ty))  # [C, BN]: bytes through the shuffle, not fp32
+    tl.store(qt_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], t, mask=mn[None, :])
 
 
 @triton.jit
 def _recast_cols_kernel(
     d_ptr, s_ptr, g_ptr, tab_ptr, rs_ptr, qt_ptr, N, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, SMODE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    # one program: the [BN, BK] tile at (rows pid 0, columns pid 1), stored transposed into qt [K, N]
+    # one program: weight rows pid0 * BN + [0, BN), columns pid1 * BK + [0, BK) (K % BK == 0, K % BS == 0)
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mn = rn < N
     k0 = tl.program_id(1) * BK
-    w = tile_values(d_ptr, s_ptr, g_ptr, tab_ptr, rn, mn, k0, K, FMT, BS, BN, BK, SMODE)  # [BN, BK]
-    rs = tl.load(rs_ptr + rn, mask=mn, other=1.0)
-    y = tl.trans(_e4m3_of(w, rs))  # [BK, BN]
-    rk = (k0 + tl.arange(0, BK)).to(tl.int64)
-    tl.store(qt_ptr + rk[:, None] * N + rn[None, :], y.to(qt_ptr.dtype.element_ty), mask=mn[None, :])
+    rs = tl.load(rs_ptr + rn, mask=mn, other=1.0)[:, None]  # [BN, 1]
+    if FMT == 0:  # int8: one code per weight
+        rk = k0 + tl.arange(0, BK)  # [BK]
+        q = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
+        s = tl.load(s_ptr + (rn[:, None] * K + rk[None, :]) // BS, mask=mn[:, None], other=0.0)
+        _store_transposed(qt_ptr, e4m3_of(q * s, rs), rk, rn, mn, N)
+    else:  # two weights per byte: the even and the odd columns, each a [BN, BK/2] half
+        jb = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
+        byte = tl.load(d_ptr + rn[:, None] * (K // 2) + jb[None, :], mask=mn[:, None], other=0).to(tl.int32)
+        s = tl.load(s_ptr + (rn[:, None] * K + 2 * jb[None, :]) // BS, mask=mn[:, None], other=0)
+        if FMT == 2:  # nvfp4: low nibble = even weight; e4m3 scale times the tensor scale
+            s = _decode_e4m3(s) * tl.load(g_ptr)
+            even, odd = byte & 15, byte >> 4
+        else:  # nf4: high nibble = even weight
+            even, odd = byte >> 4, byte & 15
+        v0 = tl.load(tab_ptr + even) * s  # [BN, BK/2] fp32, as the reference
+        v1 = tl.load(tab_ptr + odd) * s
+        _store_transposed(qt_ptr, e4m3_of(v0, rs), 2 * jb, rn, mn, N)
+        _store_transposed(qt_ptr, e4m3_of(v1, rs), 2 * jb + 1, rn, mn, N)
 
 
 def _pow2_dividing(k: int, cap: int) -> int:
@@ -82,12 +86,25 @@ def _pow2_dividing(k: int, cap: int) -> int:
     return b
 
 
-def _operands(fmt: str, data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None):
-    """(data, scales as the kernels read them, global-scale pointer, value table)."""
+def _operands(fmt: str, scales: torch.Tensor, global_scale: torch.Tensor | None):
+    """(scales as the kernels read them: e4m3 ones as bytes; the global-scale pointer, any tensor if none)."""
     sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     g = global_scale if global_scale is not None else sc
-    tab = table("e2m1" if _FMT[fmt] == FMT_NVFP4 else "nf4", data.device)
-    return data, sc, g, tab
+    return sc, g
+
+
+def row_scales(
+    fmt: str, scales: torch.Tensor, global_scale: torch.Tensor | None, shape: tuple[int, int], block_size: int
+) -> torch.Tensor:
+    """fp32 ``[N]`` row scales of the recast weight (:func:`tidal_quant.reference.fp8_row_scales`)."""
+    n, k = shape
+    sc, g = _operands(fmt, scales, global_scale)
+    per_row = k // block_size
+    nsb = triton.next_power_of_2(per_row)
+    bn = max(1, _SCALES_PER_PROGRAM // nsb)
+    rs = torch.empty(n, dtype=torch.float32, device=scales.device)
+    _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], _CODE_MAX[fmt], bn)
+    return rs
 
 
 def recast_rows(
@@ -97,26 +114,16 @@ def recast_rows(
     global_scale: torch.Tensor | None,
     shape: tuple[int, int],
     block_size: int,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes ``[N, K]`` (float8_e4m3fn) and fp32 row scales ``[N]`` of an int8 / NF4 / NVFP4 weight.
 
-    ``shape[1]`` must be a multiple of 16 and of ``block_size``; ``config`` = (rows per program, columns per
-    step, warps) overrides :data:`ROWS_CONFIG` (the columns per step are cut to a power of two dividing K).
+    ``shape[1]`` must be a multiple of 16 and of ``block_size``; ``config`` (4-bit formats: packed bytes
+    per program, warps) overrides the dequantize kernel's default.
     """
-    n, k = shape
-    bn, bk, warps = config or ROWS_CONFIG
-    bk = _pow2_dividing(k, bk)
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=data.device)
-    rs = torch.empty(n, dtype=torch.float32, device=data.device)
-    d, sc, g, tab = _operands(fmt, data, scales, global_scale)
-    per_row = k // block_size
-    nsb = 1 << max(0, (per_row - 1).bit_length())
-    _recast_rows_kernel[(triton.cdiv(n, bn),)](
-        d, sc, g, tab, q, rs, n, k, _FMT[fmt], block_size, nsb, _CODE_MAX[fmt], bn, bk,
-        scale_mode(block_size, bk), num_warps=warps,
-    )  # fmt: skip
-    return q, rs
+    rs = row_scales(fmt, scales, global_scale, shape, block_size)
+    sc, _ = _operands(fmt, scales, global_scale)
+    return recast_e4m3(_FMT[fmt], data, sc, global_scale, shape, block_size, rs, config), rs
 
 
 def recast_cols(
@@ -129,14 +136,18 @@ def recast_cols(
     block_size: int,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """e4m3 codes ``[K, N]`` (the transpose of :func:`recast_rows`' codes) at the given row scales ``[N]``."""
+    """e4m3 codes ``[K, N]`` (the transpose of :func:`recast_rows`' codes) at the given row scales ``[N]``.
+
+    ``config`` = (tile rows, tile columns, warps) overrides :data:`COLS_CONFIG` (the columns are cut to a
+    power of two dividing K).
+    """
     n, k = shape
     bn, bk, warps = config or COLS_CONFIG
     bk = _pow2_dividing(k, bk)
     qt = torch.empty(k, n, dtype=torch.float8_e4m3fn, device=data.device)
-    d, sc, g, tab = _operands(fmt, data, scales, global_scale)
+    sc, g = _operands(fmt, scales, global_scale)
+    tab = table("e2m1" if _FMT[fmt] == FMT_NVFP4 else "nf4", data.device)
     _recast_cols_kernel[(triton.cdiv(n, bn), k // bk)](
-        d, sc, g, tab, row_scales, qt, n, k, _FMT[fmt], block_size, bn, bk, scale_mode(block_size, bk),
-        num_warps=warps,
-    )  # fmt: skip
+        data, sc, g, tab, row_scales, qt, n, k, _FMT[fmt], block_size, bn, bk, num_warps=warps
+    )
     return qt

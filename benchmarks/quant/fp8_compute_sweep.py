@@ -59,7 +59,7 @@ def recast_tables(copy: float) -> list[str]:
         default = _triton.DEQUANT_4BIT_CONFIG
         rows_t += qbench.config_sweep(label, ROWS, default, rows, nbytes, copy)
         _, rs = rows(None)
-        cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs, shape, bs)
+        cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs[1], shape, bs)
         cols_t += qbench.config_sweep(
             label, COLS, _triton_recast.COLS_CONFIG, lambda cfg, cols=cols: (cols(cfg),), nbytes, copy
         )

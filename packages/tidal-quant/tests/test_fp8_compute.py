@@ -30,6 +30,7 @@ def _args(qw):
 
 
 def _recast(qw):
+    """(codes [N, K] uint8, [2, N] row scales and their inverses) of the reference recast."""
     data, scales, g = _args(qw)
     return fp8_ops.recast_fp8(data, scales, g, qw.fmt.value, list(qw.shape), qw.block_size)
 
@@ -44,10 +45,11 @@ def _weight(n=512, k=1024, seed=0):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_row_scale_bounds_the_row_and_codes_round_once(fmt):
     qw = tq.quantize(_weight(), fmt)
-    codes, rs = _recast(qw)
+    codes, (rs, inv) = _recast(qw)
     wd = tq.dequantize(qw, torch.float32)  # [N, K]
     row_max = wd.abs().amax(dim=1)
-    assert rs[3] == 0 and not codes[3].any()
+    assert rs[3] == 0 and inv[3] == 1 and not codes[3].any()
+    assert torch.equal(inv[rs != 0], 1 / rs[rs != 0])
     # the scale comes from the block scales alone: never below the row's largest weight, and equal to it
     # where a code of largest magnitude exists (NF4 and int8 always have one per non-zero block)
     assert bool((rs * 448 >= row_max * (1 - 1e-6)).all())
@@ -62,8 +64,8 @@ def test_row_scale_bounds_the_row_and_codes_round_once(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_transposed_recast_is_the_transpose(fmt):
     qw = tq.quantize(_weight(64, 256), fmt)
-    codes, rs = _recast(qw)
-    t = fp8_ops.recast_fp8_t(*_args(qw), rs, fmt, list(qw.shape), qw.block_size)
+    codes, rs2 = _recast(qw)
+    t = fp8_ops.recast_fp8_t(*_args(qw), rs2, fmt, list(qw.shape), qw.block_size)
     assert torch.equal(t, codes.t())
 
 
@@ -73,7 +75,7 @@ def test_double_quant_scales_are_decompressed_first():
     c1, _ = _recast(plain)
     c2, rs2 = _recast(dq)
     wd = tq.dequantize(dq, torch.float32)
-    torch.testing.assert_close(rs2 * 448, wd.abs().amax(dim=1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(rs2[0] * 448, wd.abs().amax(dim=1), rtol=1e-6, atol=0)
     assert (c1 != c2).float().mean() < 0.2  # the same codes where the decompressed scales round alike
 
 
@@ -84,12 +86,13 @@ def test_double_quant_scales_are_decompressed_first():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_emulated_products_track_the_dequantized_weight(fmt):
     qw = tq.quantize(_weight(), fmt)
-    codes, rs = _recast(qw)
+    codes, rs2 = _recast(qw)
+    rs = rs2[0]
     wd = tq.dequantize(qw, torch.float32)
     assert_sqnr(wd, codes.view(torch.float8_e4m3fn).float() * rs[:, None], 29.0, f"{fmt} recast weight")
     x, g = torch.randn(64, 1024), torch.randn(64, 512)
     assert_sqnr(x @ wd.t(), fp8_ops.fp8_linear(x, codes, rs, 0), 26.0, f"{fmt} forward")
-    t = fp8_ops.recast_fp8_t(*_args(qw), rs, fmt, list(qw.shape), qw.block_size)
+    t = fp8_ops.recast_fp8_t(*_args(qw), rs2, fmt, list(qw.shape), qw.block_size)
     assert_sqnr(g @ wd, fp8_ops.fp8_grad_input_t(g, t, rs), 26.0, f"{fmt} input gradient")
     if fmt == "nf4":  # the recast costs NF4 little against its own error
         w = _weight()
@@ -101,10 +104,10 @@ def test_opcheck_recast_ops(fmt):
     qw = tq.quantize(_weight(32, 64), fmt)
     meta = (fmt, list(qw.shape), qw.block_size)
     opcheck(fp8_ops.recast_fp8, (*_args(qw), *meta))
-    _, rs = _recast(qw)
-    opcheck(fp8_ops.recast_fp8_t, (*_args(qw), rs, *meta))
-    t = fp8_ops.recast_fp8_t(*_args(qw), rs, *meta)
-    opcheck(fp8_ops.fp8_grad_input_t, (torch.randn(6, 32, dtype=torch.bfloat16), t, rs))
+    _, rs2 = _recast(qw)
+    opcheck(fp8_ops.recast_fp8_t, (*_args(qw), rs2, *meta))
+    t = fp8_ops.recast_fp8_t(*_args(qw), rs2, *meta)
+    opcheck(fp8_ops.fp8_grad_input_t, (torch.randn(6, 32, dtype=torch.bfloat16), t, rs2[0]))
     x = torch.randn(5, 64, requires_grad=True)
     opcheck(linear_ops.linear, (x, *_args(qw), *meta, 0, False, True))
 
@@ -152,9 +155,9 @@ _INTERP = textwrap.dedent(
         qw = tq.quantize(w, fmt, block_size=bs)
         data, scales, g = ops.as_bytes(qw.data), ops.as_bytes(block_scales(qw)), qw.global_scale
         bs = qw.block_size
-        wd = ops.dequant_ref(data, scales, g, fmt, (n, k), bs, torch.float32)
         want_rs = fp8_ops.fp8_row_scales(scales, g, fmt, (n, k), bs)
-        want = (wd / torch.where(want_rs == 0, 1, want_rs)[:, None]).clamp(-448, 448)
+        vals, blk = tq.reference.code_values(data, ops.as_f8(scales) if fmt == "nvfp4" else scales, g, fmt, (n, k), bs)
+        want = (vals * (blk * want_rs[1][:, None])).clamp(-448, 448)  # what the reference casts to e4m3
         q, rs = R.recast_rows(fmt, data, scales, g, (n, k), bs)
         assert torch.equal(rs, want_rs), (fmt, bs, "row scales")
         got, ref = q.float(), want.to(torch.float8_e4m3fn).float()
@@ -168,7 +171,7 @@ _INTERP = textwrap.dedent(
             bk = R._pow2_dividing(k, bk)
             qt = torch.empty(k, n)
             R._recast_cols_kernel[(triton.cdiv(n, bn), k // bk)](
-                data, sc, gp, tab, want_rs, qt, n, k, R._FMT[fmt], bs, bn, bk)
+                data, sc, gp, tab, want_rs[1], qt, n, k, R._FMT[fmt], bs, bn, bk)
             assert torch.equal(qt, want.t()), (fmt, bs, bn, bk)
     print("ok")
     """
@@ -199,7 +202,7 @@ def test_recast_kernels_bit_exact(fmt, shape):
         assert_bitwise_equal(rs, want_rs, f"{fmt} {shape} row scales {config}")
         assert_bitwise_equal(q.view(torch.uint8), want, f"{fmt} {shape} codes {config}")
     for config in (None, (32, 128, 4)):
-        t = _triton_recast.recast_cols(fmt, data, scales, g, want_rs.cuda(), shape, qw.block_size, config)
+        t = _triton_recast.recast_cols(fmt, data, scales, g, want_rs[1].cuda(), shape, qw.block_size, config)
         assert_bitwise_equal(t.view(torch.uint8), want.t().contiguous(), f"{fmt} {shape} transposed {config}")
 
 
@@ -224,15 +227,15 @@ def test_fp8_compute_runs_on_scaled_mm(monkeypatch, fmt):
     assert tq.path_counts() == {"fp8_recast": 1, "fp8_scaled_mm": 1} and calls == [((256, 1024), (1024, 512))]
     # against the fp32 emulation of the same arithmetic, on the CPU
     qw_cpu = q.qweight.to("cpu")
-    codes, rs = _recast(qw_cpu)
+    codes, rs2 = _recast(qw_cpu)
     x2 = x.detach().reshape(-1, 1024).float().cpu()
-    emu = fp8_ops.fp8_linear(x2, codes, rs, 0) + lin.bias.float().cpu()
+    emu = fp8_ops.fp8_linear(x2, codes, rs2[0], 0) + lin.bias.float().cpu()
     assert_sqnr(emu, y.detach().reshape(-1, 512).float().cpu(), 40.0, f"{fmt} fp8_compute vs emulation")
     g = torch.randn_like(y)
     y.backward(g)
     assert calls[1] == ((256, 512), (512, 1024))  # the input gradient ran on _scaled_mm too
-    t = fp8_ops.recast_fp8_t(*_args(qw_cpu), rs, fmt, list(qw_cpu.shape), qw_cpu.block_size)
-    emu_g = fp8_ops.fp8_grad_input_t(g.reshape(-1, 512).float().cpu(), t, rs)
+    t = fp8_ops.recast_fp8_t(*_args(qw_cpu), rs2, fmt, list(qw_cpu.shape), qw_cpu.block_size)
+    emu_g = fp8_ops.fp8_grad_input_t(g.reshape(-1, 512).float().cpu(), t, rs2[0])
     assert_sqnr(emu_g, x.grad.reshape(-1, 1024).float().cpu(), 40.0, f"{fmt} fp8_compute grad vs emulation")
 
 

@@ -167,23 +167,21 @@ def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def e4m3_of(w, rs):
-    """``w / rs`` (an rs of 0 divides by 1) clamped to ±448, fp32 (``rs`` broadcasts against ``w``); the
-    caller's cast to e4m3 rounds to nearest even, as :func:`tidal_quant.reference.recast_fp8`."""
-    safe = tl.where(rs == 0.0, 1.0, rs)
-    y = tl.math.div_rn(w, safe + tl.zeros_like(w))
+def clamp_e4m3(y):
+    """``y`` clamped to ±448, e4m3's finite range; the caller's cast rounds to nearest even."""
     return tl.minimum(tl.maximum(y, -448.0), 448.0)
 
 
 @triton.jit
 def _dequant_int8_kernel(
-    d_ptr, s_ptr, out_ptr, numel, rs_ptr, K, BS: tl.constexpr, NG: tl.constexpr, EVEN: tl.constexpr,
-    WIDE: tl.constexpr, E4M3: tl.constexpr,
+    d_ptr, s_ptr, out_ptr, numel, inv_ptr, K: tl.constexpr, BS: tl.constexpr, NG: tl.constexpr,
+    EVEN: tl.constexpr, WIDE: tl.constexpr, E4M3: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 8 contiguous int8 codes; a block size that is a multiple of 8 loads one
     # scale per group (broadcast), any other even block size one per element. The [NG, 8] code tile and
     # the [NG, 8] output tile share one register layout (8 codes in, 8 values out per thread). E4M3: the
-    # values become e4m3 codes at their row's scale rs[row] (rows of K elements, K % 8 == 0)
+    # values become e4m3 codes at their row's scale, given as its inverse inv[row] (rows of K elements,
+    # K % 8 == 0; K is 0 otherwise)
     pid = tl.program_id(0)
     if WIDE:  # 2**31 elements or more: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -195,10 +193,11 @@ def _dequant_int8_kernel(
             s = tl.load(s_ptr + (grp * 8) // BS)[:, None]
         else:
             s = tl.load(s_ptr + u // BS)
-        v = q * s
-        if E4M3:
-            v = e4m3_of(v, tl.load(rs_ptr + (grp * 8) // K)[:, None])
-        tl.store(out_ptr + u, v.to(out_ptr.dtype.element_ty))
+        if E4M3:  # 1 / row scale folded into the block scale (reference.recast_fp8)
+            s = s * tl.load(inv_ptr + (grp * 8) // K)[:, None]
+            tl.store(out_ptr + u, clamp_e4m3(q * s).to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty))
     else:
         m = u < numel
         q = tl.load(d_ptr + u, mask=m, other=0).to(tl.float32)
@@ -206,23 +205,25 @@ def _dequant_int8_kernel(
             s = tl.load(s_ptr + (grp * 8) // BS, mask=grp * 8 < numel, other=0.0)[:, None]
         else:
             s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
-        v = q * s
         if E4M3:
-            v = e4m3_of(v, tl.load(rs_ptr + (grp * 8) // K, mask=grp * 8 < numel, other=1.0)[:, None])
-        tl.store(out_ptr + u, v.to(out_ptr.dtype.element_ty), mask=m)
+            s = s * tl.load(inv_ptr + (grp * 8) // K, mask=grp * 8 < numel, other=1.0)[:, None]
+            tl.store(out_ptr + u, clamp_e4m3(q * s).to(out_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _dequant_4bit_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, rs_ptr, K,
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, inv_ptr, K: tl.constexpr,
     GB: tl.constexpr, NG: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr, EVEN: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 4 contiguous packed bytes (4 * NG bytes, GB per scale block). Byte i
     # holds elements 2i and 2i+1, so both are packed into one output word (OUT 0: bf16 pair as an
-    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair at the row's scale rs[row]
-    # as an int16 word; rows of K elements, K % 8 == 0) stored at word i: the [NG, 4] byte tile and the
-    # [NG, 4] word tile share one register layout, so no shuffle sits between load and store.
+    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair at the row's scale, given as
+    # its inverse inv[row], as an int16 word; rows of K elements, K % 8 == 0, K 0 for the other outputs)
+    # stored at word i: the [NG, 4] byte tile and the [NG, 4] word tile share one register layout, so no
+    # shuffle sits between load and store.
     pid = tl.program_id(0)
     if WIDE:  # more than 2**31 bytes: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -243,15 +244,16 @@ def _dequant_4bit_kernel(
         s = sb[:, None]
         first = byte >> 4
         second = byte & 15
+    if OUT == 3:  # e4m3 at the row's scale: 1 / row scale folded into the block scale (reference.recast_fp8)
+        if EVEN:
+            s = s * tl.load(inv_ptr + (grp * 8) // K)[:, None]
+        else:
+            s = s * tl.load(inv_ptr + (grp * 8) // K, mask=grp * 4 < n_bytes, other=1.0)[:, None]
     v0 = tl.load(tab_ptr + first) * s  # [NG, 4] even elements (fp32, as the reference)
     v1 = tl.load(tab_ptr + second) * s  # [NG, 4] odd elements
     if OUT == 3:  # e4m3 pair → one 16-bit word, even element in the low byte
-        if EVEN:
-            rs = tl.load(rs_ptr + (grp * 8) // K)[:, None]
-        else:
-            rs = tl.load(rs_ptr + (grp * 8) // K, mask=grp * 4 < n_bytes, other=1.0)[:, None]
-        e0 = e4m3_of(v0, rs).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
-        e1 = e4m3_of(v1, rs).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+        e0 = clamp_e4m3(v0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+        e1 = clamp_e4m3(v1).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
         w = (e0 | (e1 << 8)).to(tl.int16, bitcast=True)
     elif OUT == 2:  # fp32 pair → one 64-bit word, even element in the low half (little-endian)
         lo = v0.to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -307,12 +309,13 @@ def _dequant_4bit(
     block_size,
     dtype,
     config: tuple[int, int] | None = None,
-    row_scales: torch.Tensor | None = None,
+    inv_row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NF4 / NVFP4 → ``dtype``, or with ``row_scales`` → e4m3 codes at those per-row scales (``dtype`` unused)."""
+    """NF4 / NVFP4 → ``dtype``, or with ``inv_row_scales`` (fp32 ``[N]``, 1 / each row's scale) → e4m3 codes at
+    those row scales (``dtype`` unused)."""
     numel = shape[0] * shape[1]
     n_bytes = data.numel()
-    if row_scales is None:
+    if inv_row_scales is None:
         out_id, word = _WORDS[dtype]
     else:
         dtype, (out_id, word) = torch.float8_e4m3fn, (3, torch.int16)
@@ -325,26 +328,27 @@ def _dequant_4bit(
     per_program, warps = config or DEQUANT_4BIT_CONFIG
     even = n_bytes % per_program == 0
     wide = n_bytes + per_program >= 2**31
-    rs = row_scales if row_scales is not None else scales
+    e4m3 = inv_row_scales is not None
+    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 0)  # K only matters for e4m3 output
     _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](
-        data, scales, g, tab, flat.view(word), n_bytes, nb, rs, shape[1], gb, per_program // 4, nvfp4,
+        data, scales, g, tab, flat.view(word), n_bytes, nb, inv, k, gb, per_program // 4, nvfp4,
         out_id, even, wide, num_warps=warps,
     )  # fmt: skip
     return (flat if numel == flat.numel() else flat[:numel]).view(shape)
 
 
 def _dequant_int8(
-    data, scales, shape, block_size, dtype, row_scales: torch.Tensor | None = None
+    data, scales, shape, block_size, dtype, inv_row_scales: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """int8 → ``dtype``, or with ``row_scales`` → e4m3 codes at those per-row scales (``dtype`` unused)."""
-    e4m3 = row_scales is not None
+    """int8 → ``dtype``, or with ``inv_row_scales`` (1 / each row's scale) → e4m3 codes (``dtype`` unused)."""
+    e4m3 = inv_row_scales is not None
     out = torch.empty(shape, dtype=torch.float8_e4m3fn if e4m3 else dtype, device=data.device)
     numel = shape[0] * shape[1]
     blk = 8192  # codes per program: 32 per thread at 8 warps
     even, wide = numel % blk == 0, numel + blk >= 2**31
-    rs = row_scales if e4m3 else scales
+    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 0)  # K only matters for e4m3 output
     _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
-        data, scales, out, numel, rs, shape[1], block_size, blk // 8, even, wide, e4m3, num_warps=8
+        data, scales, out, numel, inv, k, block_size, blk // 8, even, wide, e4m3, num_warps=8
     )
     return out
 
@@ -356,16 +360,16 @@ def recast_e4m3(
     global_scale: torch.Tensor | None,
     shape: tuple[int, int],
     block_size: int,
-    row_scales: torch.Tensor,
+    inv_row_scales: torch.Tensor,
     config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """e4m3 codes ``[N, K]`` of an int8 / NF4 / NVFP4 weight at fp32 ``row_scales [N]``: the dequantize
-    kernel with e4m3 output, one byte per weight written (``K % 8 == 0``; ``config`` as 4-bit dequantize's)."""
+    """e4m3 codes ``[N, K]`` of an int8 / NF4 / NVFP4 weight at per-row scales given as their inverses (fp32
+    ``[N]``): the dequantize kernels with e4m3 output, one byte per weight written (``K % 8 == 0``; ``config``
+    as 4-bit dequantize's)."""
     if fmt_id == FMT_INT8:
-        return _dequant_int8(data, scales, shape, block_size, None, row_scales)
-    return _dequant_4bit(
-        fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, None, config, row_scales
-    )
+        return _dequant_int8(data, scales, shape, block_size, None, inv_row_scales)
+    nvfp4 = fmt_id == FMT_NVFP4
+    return _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, None, config, inv_row_scales)
 
 
 def dequantize(

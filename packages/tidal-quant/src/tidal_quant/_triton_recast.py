@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_INT8, FMT_NVFP4, _decode_e4m3, e4m3_of, recast_e4m3, table
+from tidal_quant._triton import (
+    FMT_INT8,
+    FMT_NVFP4,
+    _decode_e4m3,
+    clamp_e4m3,
+    recast_e4m3,
+    table,
+)
 
 _FMT = {"int8": FMT_INT8, "nf4": 1, "nvfp4": FMT_NVFP4}
 _CODE_MAX = {"int8": 127.0, "nf4": 1.0, "nvfp4": 6.0}  # reference.CODE_MAX, as kernel constants
@@ -29,7 +36,8 @@ def _row_scales_kernel(
     s_ptr, g_ptr, rs_ptr, N, PER_ROW: tl.constexpr, NSB: tl.constexpr, FMT: tl.constexpr,
     CODE_MAX: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    # one program: BN rows' scales, max(block scale) * CODE_MAX / 448 over the row's PER_ROW blocks
+    # one program: BN rows' scales, max(block scale) * CODE_MAX / 448 over the row's PER_ROW blocks, into
+    # rs[0] and their correctly rounded inverses (1 for a scale of 0) into rs[1]: rs is [2, N]
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mn = rn < N
     sb = tl.arange(0, NSB)  # [NSB] (the next power of two >= PER_ROW)
@@ -38,7 +46,10 @@ def _row_scales_kernel(
     if FMT == 2:  # nvfp4: e4m3 block scales times the tensor scale, as the dequantization
         s = _decode_e4m3(s) * tl.load(g_ptr)
     bound = tl.max(s, axis=1) * CODE_MAX  # [BN] no weight of the row is larger
-    tl.store(rs_ptr + rn, tl.math.div_rn(bound, tl.full((BN,), 448.0, tl.float32)), mask=mn)
+    rs = tl.math.div_rn(bound, tl.full((BN,), 448.0, tl.float32))
+    tl.store(rs_ptr + rn, rs, mask=mn)
+    safe = tl.where(rs == 0.0, 1.0, rs)
+    tl.store(rs_ptr + N + rn, tl.math.div_rn(tl.full((BN,), 1.0, tl.float32), safe), mask=mn)
 
 
 @triton.jit
@@ -50,19 +61,20 @@ def _store_transposed(qt_ptr, y, rk, rn, mn, N):
 
 @triton.jit
 def _recast_cols_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, rs_ptr, qt_ptr, N, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
+    d_ptr, s_ptr, g_ptr, tab_ptr, inv_ptr, qt_ptr, N, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    # one program: weight rows pid0 * BN + [0, BN), columns pid1 * BK + [0, BK) (K % BK == 0, K % BS == 0)
+    # one program: weight rows pid0 * BN + [0, BN), columns pid1 * BK + [0, BK) (K % BK == 0, K % BS == 0);
+    # inv: 1 / each row's scale
     rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mn = rn < N
     k0 = tl.program_id(1) * BK
-    rs = tl.load(rs_ptr + rn, mask=mn, other=1.0)[:, None]  # [BN, 1]
+    inv = tl.load(inv_ptr + rn, mask=mn, other=1.0)[:, None]  # [BN, 1]
     if FMT == 0:  # int8: one code per weight
         rk = k0 + tl.arange(0, BK)  # [BK]
         q = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + (rn[:, None] * K + rk[None, :]) // BS, mask=mn[:, None], other=0.0)
-        _store_transposed(qt_ptr, e4m3_of(q * s, rs), rk, rn, mn, N)
+        _store_transposed(qt_ptr, clamp_e4m3(q * (s * inv)), rk, rn, mn, N)
     else:  # two weights per byte: the even and the odd columns, each a [BN, BK/2] half
         jb = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
         byte = tl.load(d_ptr + rn[:, None] * (K // 2) + jb[None, :], mask=mn[:, None], other=0).to(tl.int32)
@@ -72,10 +84,9 @@ def _recast_cols_kernel(
             even, odd = byte & 15, byte >> 4
         else:  # nf4: high nibble = even weight
             even, odd = byte >> 4, byte & 15
-        v0 = tl.load(tab_ptr + even) * s  # [BN, BK/2] fp32, as the reference
-        v1 = tl.load(tab_ptr + odd) * s
-        _store_transposed(qt_ptr, e4m3_of(v0, rs), 2 * jb, rn, mn, N)
-        _store_transposed(qt_ptr, e4m3_of(v1, rs), 2 * jb + 1, rn, mn, N)
+        s = s * inv  # 1 / rs folded into the block scale, as reference.recast_fp8
+        _store_transposed(qt_ptr, clamp_e4m3(tl.load(tab_ptr + even) * s), 2 * jb, rn, mn, N)
+        _store_transposed(qt_ptr, clamp_e4m3(tl.load(tab_ptr + odd) * s), 2 * jb + 1, rn, mn, N)
 
 
 def _pow2_dividing(k: int, cap: int) -> int:
@@ -96,13 +107,14 @@ def _operands(fmt: str, scales: torch.Tensor, global_scale: torch.Tensor | None)
 def row_scales(
     fmt: str, scales: torch.Tensor, global_scale: torch.Tensor | None, shape: tuple[int, int], block_size: int
 ) -> torch.Tensor:
-    """fp32 ``[N]`` row scales of the recast weight (:func:`tidal_quant.reference.fp8_row_scales`)."""
+    """fp32 ``[2, N]``: the recast weight's row scales (:func:`tidal_quant.reference.fp8_row_scales`) and
+    their inverses (1 for a scale of 0), as :func:`tidal_quant.reference.recast_fp8` computes them."""
     n, k = shape
     sc, g = _operands(fmt, scales, global_scale)
     per_row = k // block_size
     nsb = triton.next_power_of_2(per_row)
     bn = max(1, _SCALES_PER_PROGRAM // nsb)
-    rs = torch.empty(n, dtype=torch.float32, device=scales.device)
+    rs = torch.empty(2, n, dtype=torch.float32, device=scales.device)
     _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], _CODE_MAX[fmt], bn)
     return rs
 
@@ -116,14 +128,15 @@ def recast_rows(
     block_size: int,
     config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes ``[N, K]`` (float8_e4m3fn) and fp32 row scales ``[N]`` of an int8 / NF4 / NVFP4 weight.
+    """e4m3 codes ``[N, K]`` (float8_e4m3fn) and fp32 ``[2, N]`` row scales and their inverses
+    (:func:`row_scales`) of an int8 / NF4 / NVFP4 weight.
 
     ``shape[1]`` must be a multiple of 16 and of ``block_size``; ``config`` (4-bit formats: packed bytes
     per program, warps) overrides the dequantize kernel's default.
     """
     rs = row_scales(fmt, scales, global_scale, shape, block_size)
     sc, _ = _operands(fmt, scales, global_scale)
-    return recast_e4m3(_FMT[fmt], data, sc, global_scale, shape, block_size, rs, config), rs
+    return recast_e4m3(_FMT[fmt], data, sc, global_scale, shape, block_size, rs[1], config), rs
 
 
 def recast_cols(
@@ -131,12 +144,12 @@ def recast_cols(
     data: torch.Tensor,
     scales: torch.Tensor,
     global_scale: torch.Tensor | None,
-    row_scales: torch.Tensor,
+    inv_row_scales: torch.Tensor,
     shape: tuple[int, int],
     block_size: int,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """e4m3 codes ``[K, N]`` (the transpose of :func:`recast_rows`' codes) at the given row scales ``[N]``.
+    """e4m3 codes ``[K, N]`` (the transpose of :func:`recast_rows`' codes) given the inverse row scales ``[N]``.
 
     ``config`` = (tile rows, tile columns, warps) overrides :data:`COLS_CONFIG` (the columns are cut to a
     power of two dividing K).
@@ -148,6 +161,6 @@ def recast_cols(
     sc, g = _operands(fmt, scales, global_scale)
     tab = table("e2m1" if _FMT[fmt] == FMT_NVFP4 else "nf4", data.device)
     _recast_cols_kernel[(triton.cdiv(n, bn), k // bk)](
-        data, sc, g, tab, row_scales, qt, n, k, _FMT[fmt], block_size, bn, bk, num_warps=warps
+        data, sc, g, tab, inv_row_scales, qt, n, k, _FMT[fmt], block_size, bn, bk, num_warps=warps
     )
     return qt

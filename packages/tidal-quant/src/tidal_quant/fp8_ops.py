@@ -24,7 +24,7 @@ from torch.library import custom_op
 
 from tidal_quant import _log
 from tidal_quant import reference as ref
-from tidal_quant.ops import as_bytes, as_f8, capability, dequant_ref
+from tidal_quant.ops import as_bytes, as_f8, capability
 
 
 def tr():
@@ -200,20 +200,28 @@ FP8_COMPUTE_MIN_TOKENS = 128
 def fp8_row_scales(
     scales: torch.Tensor, global_scale: torch.Tensor | None, fmt: str, shape: Sequence[int], block_size: int
 ) -> torch.Tensor:
-    """fp32 ``[N]`` row scales of the recast weight (torch ops, any device; e4m3 scales as uint8 bytes)."""
+    """fp32 ``[2, N]``: the recast weight's row scales and their inverses (torch ops, any device; e4m3 block
+    scales as uint8 bytes). The scales multiply the products; the inverses enter the recast."""
     s = as_f8(scales) if fmt == "nvfp4" else scales
-    return ref.fp8_row_scales(s, global_scale, fmt, (shape[0], shape[1]), block_size)
+    rs = ref.fp8_row_scales(s, global_scale, fmt, (shape[0], shape[1]), block_size)
+    return torch.stack([rs, ref.inverse_row_scales(rs)])
+
+
+def _recast_codes_ref(data, scales, global_scale, row_scales, fmt, shape, block_size):
+    """uint8 e4m3 codes ``[N, K]`` of the reference recast at ``row_scales [2, N]``."""
+    s = as_f8(scales) if fmt == "nvfp4" else scales
+    vals, blk = ref.code_values(data, s, global_scale, fmt, (shape[0], shape[1]), block_size)  # [N, K] each
+    return as_bytes(ref.recast_fp8(vals, blk, row_scales[0]))
 
 
 def _recast_ref(data, scales, global_scale, fmt, shape, block_size):
-    shp = (shape[0], shape[1])
-    w = dequant_ref(data, scales, global_scale, fmt, shp, block_size, torch.float32)  # [N, K]
-    rs = fp8_row_scales(scales, global_scale, fmt, shp, block_size)
-    return as_bytes(ref.recast_fp8(w, rs)), rs
+    rs = fp8_row_scales(scales, global_scale, fmt, shape, block_size)
+    return _recast_codes_ref(data, scales, global_scale, rs, fmt, shape, block_size), rs
 
 
 def recast_cuda(data, scales, global_scale, fmt, shape, block_size):
-    """:func:`recast_fp8` on CUDA: one Triton kernel writes the codes and the row scales."""
+    """:func:`recast_fp8` on CUDA: the row scales (a small kernel), then the codes (the dequantize kernel's
+    e4m3 output)."""
     _log.record_path("fp8_recast")
     q, rs = _rc().recast_rows(fmt, data, scales, global_scale, (shape[0], shape[1]), block_size)
     return as_bytes(q), rs
@@ -228,7 +236,8 @@ def recast_fp8(
     shape: Sequence[int],
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 / NF4 / NVFP4 weight ``[N, K]`` recast to e4m3: (codes ``[N, K]`` as uint8, fp32 row scales ``[N]``).
+    """An int8 / NF4 / NVFP4 weight ``[N, K]`` recast to e4m3: (codes ``[N, K]`` as uint8, fp32 ``[2, N]``
+    row scales and their inverses, :func:`fp8_row_scales`).
 
     See [Note: fp8 compute]; ``scales`` are the decompressed block scales (e4m3 ones as uint8 bytes).
     """
@@ -241,18 +250,17 @@ recast_fp8.register_kernel("cuda")(recast_cuda)
 @recast_fp8.register_fake
 def _(data, scales, global_scale, fmt, shape, block_size):
     n, k = shape[0], shape[1]
-    return data.new_empty((n, k), dtype=torch.uint8), data.new_empty((n,), dtype=torch.float32)
+    return data.new_empty((n, k), dtype=torch.uint8), data.new_empty((2, n), dtype=torch.float32)
 
 
 def _recast_t_ref(data, scales, global_scale, row_scales, fmt, shape, block_size):
-    w = dequant_ref(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, torch.float32)
-    return as_bytes(ref.recast_fp8(w, row_scales)).t().contiguous()  # [K, N]
+    return _recast_codes_ref(data, scales, global_scale, row_scales, fmt, shape, block_size).t().contiguous()
 
 
 def recast_t_cuda(data, scales, global_scale, row_scales, fmt, shape, block_size):
     """:func:`recast_fp8_t` on CUDA: one Triton kernel, tiles stored transposed."""
     shp = (shape[0], shape[1])
-    return as_bytes(_rc().recast_cols(fmt, data, scales, global_scale, row_scales, shp, block_size))
+    return as_bytes(_rc().recast_cols(fmt, data, scales, global_scale, row_scales[1], shp, block_size))
 
 
 @custom_op("tidal_quant::recast_fp8_t", mutates_args=())
@@ -265,7 +273,8 @@ def recast_fp8_t(
     shape: Sequence[int],
     block_size: int,
 ) -> torch.Tensor:
-    """The transpose ``[K, N]`` (uint8) of :func:`recast_fp8`'s codes, at the given row scales ``[N]``."""
+    """The transpose ``[K, N]`` (uint8) of :func:`recast_fp8`'s codes, at the given ``[2, N]`` row scales and
+    inverses."""
     return _recast_t_ref(data, scales, global_scale, row_scales, fmt, shape, block_size)
 
 
@@ -279,7 +288,7 @@ def _(data, scales, global_scale, row_scales, fmt, shape, block_size):
 
 @custom_op("tidal_quant::fp8_grad_input_t", mutates_args=())
 def fp8_grad_input_t(grad: torch.Tensor, data_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """:func:`fp8_grad_input` with the e4m3 weight given transposed, ``data_t [K, N]`` (uint8)."""
+    """:func:`fp8_grad_input` with the e4m3 weight given transposed, ``data_t [K, N]`` (uint8); ``scales [N]``."""
     return fp8_grad_ref(grad, data_t.t(), scales)
 
 

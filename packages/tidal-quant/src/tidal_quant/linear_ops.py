@@ -52,8 +52,8 @@ def linear(
     if uses_scaled_mm(x, fmt, shape):
         return fp8_linear(x.contiguous(), data, scales, n_outliers)
     if fp8_compute and uses_recast(x, fmt, shape, block_size):
-        codes, row_scales = recast_fp8(data, scales, global_scale, fmt, shape, block_size)
-        return fp8_linear(x.contiguous(), codes, row_scales, 0)
+        codes, row_scales = recast_fp8(data, scales, global_scale, fmt, shape, block_size)  # [N, K], [2, N]
+        return fp8_linear(x.contiguous(), codes, row_scales[0], 0)
     return qmatmul(x, data, scales, global_scale, fmt, shape, block_size)
 
 
@@ -86,9 +86,9 @@ def _grad_ops(grad, data, scales, global_scale, row_scales, fmt, shape, block_si
     if fp8_grad and uses_scaled_mm(grad, fmt, shape):
         return fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
     if fp8_compute and uses_recast(grad, fmt, shape, block_size):
-        rs = fp8_row_scales(scales, global_scale, fmt, shape, block_size)  # [N]
+        rs = fp8_row_scales(scales, global_scale, fmt, shape, block_size)  # [2, N]
         codes_t = recast_fp8_t(data, scales, global_scale, rs, fmt, shape, block_size)  # [K, N]
-        return fp8_grad_input_t(grad.contiguous(), codes_t, rs)  # [T, K]
+        return fp8_grad_input_t(grad.contiguous(), codes_t, rs[0])  # [T, K]
     w = dequantize(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
     return grad @ w  # [T, K]
 
@@ -111,12 +111,13 @@ torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_c
 # See [Note: eager path] in tidal_quant.ops: outside torch.compile one autograd.Function calls the
 # per-device implementations of the ops above.
 def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_compute):
-    """``(y, row scales)``: the row scales of the recast weight when ``fp8_compute`` recast it, else None."""
+    """``(y, row scales)``: the ``[2, N]`` row scales and inverses of the recast weight when ``fp8_compute``
+    recast it, else None."""
     if uses_scaled_mm(x, fmt, shape):
         return fp8_linear_cuda(x.contiguous(), data, scales, n_outliers), None
     if fp8_compute and uses_recast(x, fmt, shape, block_size):
-        codes, row_scales = recast_cuda(data, scales, global_scale, fmt, shape, block_size)  # [N, K], [N]
-        return fp8_linear_cuda(x.contiguous(), codes, row_scales, 0), row_scales
+        codes, row_scales = recast_cuda(data, scales, global_scale, fmt, shape, block_size)  # [N, K], [2, N]
+        return fp8_linear_cuda(x.contiguous(), codes, row_scales[0], 0), row_scales
     return qmatmul_eager(x, data, scales, global_scale, fmt, shape, block_size), None
 
 
@@ -125,7 +126,7 @@ def _grad_impl(grad, data, scales, global_scale, row_scales, fmt, shape, block_s
         return fp8_grad_cuda(grad.contiguous(), data, scales)  # [T, K]
     if row_scales is not None:  # the forward recast the weight: the gradient multiplies its transpose
         codes_t = recast_t_cuda(data, scales, global_scale, row_scales, fmt, shape, block_size)  # [K, N]
-        return fp8_grad_cols_cuda(grad.contiguous(), as_f8(codes_t).t(), row_scales)  # [T, K]
+        return fp8_grad_cols_cuda(grad.contiguous(), as_f8(codes_t).t(), row_scales[0])  # [T, K]
     w = dequant_eager(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
     return grad @ w  # [T, K]
 

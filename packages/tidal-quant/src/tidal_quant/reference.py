@@ -13,8 +13,9 @@ Rounding rules (all arithmetic in fp32):
   round-half-even of ``x / (scale·g)`` saturating at 6; low nibble holds the even element.
 - FP8 compute of a block format (``fp8_compute``): the row scale is ``max(block scale) · code max / 448``
   over the row's blocks (code max: int8 127, NF4 1, NVFP4 6 times ``g``), a bound on the row's largest
-  dequantized value taken from the scales alone; ``q = e4m3_rne(clamp(w / scale, ±448))`` of the fp32
-  dequantized ``w``.
+  dequantized value taken from the scales alone; ``q = e4m3_rne(clamp(value · (block scale · (1 / row
+  scale)), ±448))``: one division per row and two multiplies per weight, the dequantized weight divided by
+  its row scale up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -221,10 +222,45 @@ def fp8_row_scales(
     return div_const(s.amax(dim=1) * CODE_MAX[fmt], FP8_MAX)
 
 
-def recast_fp8(w: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes ``[N, K]`` of the fp32 dequantized weight ``w`` at the given per-row scales."""
+def code_values(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    fmt: str,
+    shape: tuple[int, int],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-format weight split into fp32 ``[N, K]`` code values and each weight's fp32 block scale, so
+    that their product is the dequantized weight (``in_features % block_size == 0``)."""
+    n, k = shape
+    if fmt == "nvfp4":
+        assert global_scale is not None
+        codes = torch.stack([data & 0xF, data >> 4], dim=-1).view(n, k).long()
+        vals, blk, bs = e2m1_table(data.device)[codes], scales.float() * global_scale, NVFP4_BLOCK
+    elif fmt == "nf4":
+        codes = torch.stack([data >> 4, data & 0xF], dim=1).view(-1)[: n * k].long()
+        vals, blk, bs = nf4_code(data.device)[codes].view(n, k), scales, block_size
+    else:
+        vals, blk, bs = data.float().view(n, k), scales, block_size
+    return vals, blk.reshape(n, k // bs).repeat_interleave(bs, dim=1)
+
+
+def inverse_row_scales(row_scales: torch.Tensor) -> torch.Tensor:
+    """``1 / row_scales``, correctly rounded (one division per row), 1 where a scale is 0 (an all-zero row)."""
     safe = torch.where(row_scales == 0, torch.ones_like(row_scales), row_scales)
-    return (w.float() / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.ones_like(safe) / safe
+
+
+def recast_fp8(values: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes ``[N, K]`` of a block-format weight at per-row scales: ``values × (scale × (1 / row))``.
+
+    Args:
+        values: fp32 ``[N, K]`` code values (:func:`code_values`).
+        scales: fp32 ``[N, K]`` each weight's block scale.
+        row_scales: fp32 ``[N]`` (:func:`fp8_row_scales`); a row scale of 0 (an all-zero row) counts as 1.
+    """
+    y = values * (scales * inverse_row_scales(row_scales)[:, None])
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------- nvfp4

@@ -157,7 +157,7 @@ _INTERP = textwrap.dedent(
         bs = qw.block_size
         want_rs = fp8_ops.fp8_row_scales(scales, g, fmt, (n, k), bs)
         vals, blk = tq.reference.code_values(data, ops.as_f8(scales) if fmt == "nvfp4" else scales, g, fmt, (n, k), bs)
-        want = (vals * (blk * want_rs[1][:, None])).clamp(-448, 448)  # what the reference casts to e4m3
+        want = ((vals * blk) * want_rs[1][:, None]).clamp(-448, 448)  # what the reference casts to e4m3
         q, rs = R.recast_rows(fmt, data, scales, g, (n, k), bs)
         assert torch.equal(rs, want_rs), (fmt, bs, "row scales")
         got, ref = q.float(), want.to(torch.float8_e4m3fn).float()

@@ -293,27 +293,27 @@ _HOPPER_PTX = textwrap.dedent(
         return k.asm["ptx"], k.metadata.shared
 
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i32",
-           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "constexpr", "GB": "constexpr",
+           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "GB": "constexpr",
            "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
     per_program, warps = T.DEQUANT_4BIT_CONFIG
-    consts = {"K": 0, "GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
-    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"}, warps)
+    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K"}, warps)
     # nf4 -> bf16 at the default launch config: each thread's 4-byte code groups become 16-byte stores of
     # four output words, rounded to nearest even, with no shared-memory shuffle between the two tiles
     stores = per_program // 4 // (32 * warps)
     assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == stores and not re.findall(r"st\\.global\\.b", p), "stores"
     assert "cvt.rn.bf16.f32" in p and shared == 0, shared
-    sig = {"d_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "inv_ptr": "*fp32", "K": "constexpr",
+    sig = {"d_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32", "inv_ptr": "*fp32", "K": "i32",
            "BS": "constexpr", "NG": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr", "E4M3": "constexpr"}
-    consts = {"K": 0, "BS": 64, "NG": 1024, "EVEN": True, "WIDE": False, "E4M3": False}
-    p, shared = ptx(T._dequant_int8_kernel, sig, consts, {"numel"})
+    consts = {"BS": 64, "NG": 1024, "EVEN": True, "WIDE": False, "E4M3": False}
+    p, shared = ptx(T._dequant_int8_kernel, sig, consts, {"numel", "K"})
     assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == 4 and shared == 0, shared  # int8 -> bf16 likewise
     # nf4 -> e4m3 pairs (fp8_compute): the same flat layout, 8-byte stores of four 16-bit words, no shuffle
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i16",
-           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "constexpr", "GB": "constexpr",
+           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "GB": "constexpr",
            "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
-    consts = {"K": 5120, "GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 3, "EVEN": True, "WIDE": False}
-    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks"}, warps)
+    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 3, "EVEN": True, "WIDE": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K"}, warps)
     assert "cvt.rn.satfinite.e4m3x2.f32" in p and shared == 0, shared
     assert re.findall(r"st\\.global\\.v2\\.b32", p) and not re.findall(r"st\\.global\\.b(8|16) ", p), "e4m3 stores"
     print("ok")

@@ -174,14 +174,13 @@ def clamp_e4m3(y):
 
 @triton.jit
 def _dequant_int8_kernel(
-    d_ptr, s_ptr, out_ptr, numel, inv_ptr, K: tl.constexpr, BS: tl.constexpr, NG: tl.constexpr,
+    d_ptr, s_ptr, out_ptr, numel, inv_ptr, K, BS: tl.constexpr, NG: tl.constexpr,
     EVEN: tl.constexpr, WIDE: tl.constexpr, E4M3: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 8 contiguous int8 codes; a block size that is a multiple of 8 loads one
     # scale per group (broadcast), any other even block size one per element. The [NG, 8] code tile and
     # the [NG, 8] output tile share one register layout (8 codes in, 8 values out per thread). E4M3: the
-    # values become e4m3 codes at their row's scale, given as its inverse inv[row] (rows of K elements,
-    # K % 8 == 0; K is 0 otherwise)
+    # values times their row's inverse scale inv[row] become e4m3 codes (rows of K elements, K % 8 == 0)
     pid = tl.program_id(0)
     if WIDE:  # 2**31 elements or more: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -193,9 +192,9 @@ def _dequant_int8_kernel(
             s = tl.load(s_ptr + (grp * 8) // BS)[:, None]
         else:
             s = tl.load(s_ptr + u // BS)
-        if E4M3:  # 1 / row scale folded into the block scale (reference.recast_fp8)
-            s = s * tl.load(inv_ptr + (grp * 8) // K)[:, None]
-            tl.store(out_ptr + u, clamp_e4m3(q * s).to(out_ptr.dtype.element_ty))
+        if E4M3:  # the dequantized weight times 1 / its row's scale (reference.recast_fp8)
+            inv = tl.load(inv_ptr + (grp * 8) // K)[:, None]
+            tl.store(out_ptr + u, clamp_e4m3((q * s) * inv).to(out_ptr.dtype.element_ty))
         else:
             tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty))
     else:
@@ -206,22 +205,22 @@ def _dequant_int8_kernel(
         else:
             s = tl.load(s_ptr + u // BS, mask=m, other=0.0)
         if E4M3:
-            s = s * tl.load(inv_ptr + (grp * 8) // K, mask=grp * 8 < numel, other=1.0)[:, None]
-            tl.store(out_ptr + u, clamp_e4m3(q * s).to(out_ptr.dtype.element_ty), mask=m)
+            inv = tl.load(inv_ptr + (grp * 8) // K, mask=grp * 8 < numel, other=1.0)[:, None]
+            tl.store(out_ptr + u, clamp_e4m3((q * s) * inv).to(out_ptr.dtype.element_ty), mask=m)
         else:
             tl.store(out_ptr + u, (q * s).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _dequant_4bit_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, inv_ptr, K: tl.constexpr,
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, inv_ptr, K,
     GB: tl.constexpr, NG: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr, EVEN: tl.constexpr,
     WIDE: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 4 contiguous packed bytes (4 * NG bytes, GB per scale block). Byte i
     # holds elements 2i and 2i+1, so both are packed into one output word (OUT 0: bf16 pair as an
-    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair at the row's scale, given as
-    # its inverse inv[row], as an int16 word; rows of K elements, K % 8 == 0, K 0 for the other outputs)
+    # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair of the values times their
+    # row's inverse scale inv[row], as an int16 word; rows of K elements, K % 8 == 0)
     # stored at word i: the [NG, 4] byte tile and the [NG, 4] word tile share one register layout, so no
     # shuffle sits between load and store.
     pid = tl.program_id(0)
@@ -244,16 +243,15 @@ def _dequant_4bit_kernel(
         s = sb[:, None]
         first = byte >> 4
         second = byte & 15
-    if OUT == 3:  # e4m3 at the row's scale: 1 / row scale folded into the block scale (reference.recast_fp8)
-        if EVEN:
-            s = s * tl.load(inv_ptr + (grp * 8) // K)[:, None]
-        else:
-            s = s * tl.load(inv_ptr + (grp * 8) // K, mask=grp * 4 < n_bytes, other=1.0)[:, None]
     v0 = tl.load(tab_ptr + first) * s  # [NG, 4] even elements (fp32, as the reference)
     v1 = tl.load(tab_ptr + second) * s  # [NG, 4] odd elements
-    if OUT == 3:  # e4m3 pair → one 16-bit word, even element in the low byte
-        e0 = clamp_e4m3(v0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
-        e1 = clamp_e4m3(v1).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+    if OUT == 3:  # e4m3 pair of the weights times 1 / the row's scale → one 16-bit word, even element low
+        if EVEN:
+            inv = tl.load(inv_ptr + (grp * 8) // K)[:, None]
+        else:
+            inv = tl.load(inv_ptr + (grp * 8) // K, mask=grp * 4 < n_bytes, other=1.0)[:, None]
+        e0 = clamp_e4m3(v0 * inv).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
+        e1 = clamp_e4m3(v1 * inv).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint16)
         w = (e0 | (e1 << 8)).to(tl.int16, bitcast=True)
     elif OUT == 2:  # fp32 pair → one 64-bit word, even element in the low half (little-endian)
         lo = v0.to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -329,7 +327,7 @@ def _dequant_4bit(
     even = n_bytes % per_program == 0
     wide = n_bytes + per_program >= 2**31
     e4m3 = inv_row_scales is not None
-    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 0)  # K only matters for e4m3 output
+    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 1)  # K only matters for e4m3 output
     _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](
         data, scales, g, tab, flat.view(word), n_bytes, nb, inv, k, gb, per_program // 4, nvfp4,
         out_id, even, wide, num_warps=warps,
@@ -346,7 +344,7 @@ def _dequant_int8(
     numel = shape[0] * shape[1]
     blk = 8192  # codes per program: 32 per thread at 8 warps
     even, wide = numel % blk == 0, numel + blk >= 2**31
-    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 0)  # K only matters for e4m3 output
+    inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 1)  # K only matters for e4m3 output
     _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
         data, scales, out, numel, inv, k, block_size, blk // 8, even, wide, e4m3, num_warps=8
     )

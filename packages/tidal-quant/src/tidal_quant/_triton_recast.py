@@ -74,7 +74,7 @@ def _recast_cols_kernel(
         rk = k0 + tl.arange(0, BK)  # [BK]
         q = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + (rn[:, None] * K + rk[None, :]) // BS, mask=mn[:, None], other=0.0)
-        _store_transposed(qt_ptr, clamp_e4m3(q * (s * inv)), rk, rn, mn, N)
+        _store_transposed(qt_ptr, clamp_e4m3((q * s) * inv), rk, rn, mn, N)
     else:  # two weights per byte: the even and the odd columns, each a [BN, BK/2] half
         jb = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
         byte = tl.load(d_ptr + rn[:, None] * (K // 2) + jb[None, :], mask=mn[:, None], other=0).to(tl.int32)
@@ -84,9 +84,9 @@ def _recast_cols_kernel(
             even, odd = byte & 15, byte >> 4
         else:  # nf4: high nibble = even weight
             even, odd = byte >> 4, byte & 15
-        s = s * inv  # 1 / rs folded into the block scale, as reference.recast_fp8
-        _store_transposed(qt_ptr, clamp_e4m3(tl.load(tab_ptr + even) * s), 2 * jb, rn, mn, N)
-        _store_transposed(qt_ptr, clamp_e4m3(tl.load(tab_ptr + odd) * s), 2 * jb + 1, rn, mn, N)
+        # the dequantized weights (as the reference) times 1 / their row's scale, as reference.recast_fp8
+        _store_transposed(qt_ptr, clamp_e4m3((tl.load(tab_ptr + even) * s) * inv), 2 * jb, rn, mn, N)
+        _store_transposed(qt_ptr, clamp_e4m3((tl.load(tab_ptr + odd) * s) * inv), 2 * jb + 1, rn, mn, N)
 
 
 def _pow2_dividing(k: int, cap: int) -> int:

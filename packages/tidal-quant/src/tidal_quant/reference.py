@@ -13,9 +13,8 @@ Rounding rules (all arithmetic in fp32):
   round-half-even of ``x / (scale·g)`` saturating at 6; low nibble holds the even element.
 - FP8 compute of a block format (``fp8_compute``): the row scale is ``max(block scale) · code max / 448``
   over the row's blocks (code max: int8 127, NF4 1, NVFP4 6 times ``g``), a bound on the row's largest
-  dequantized value taken from the scales alone; ``q = e4m3_rne(clamp(value · (block scale · (1 / row
-  scale)), ±448))``: one division per row and two multiplies per weight, the dequantized weight divided by
-  its row scale up to fp32 rounding.
+  dequantized value taken from the scales alone; ``q = e4m3_rne(clamp(w · (1 / row scale), ±448))`` of the
+  fp32 dequantized ``w``: one division per row and a multiply per weight.
 """
 
 from __future__ import annotations
@@ -252,14 +251,14 @@ def inverse_row_scales(row_scales: torch.Tensor) -> torch.Tensor:
 
 
 def recast_fp8(values: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes ``[N, K]`` of a block-format weight at per-row scales: ``values × (scale × (1 / row))``.
+    """e4m3 codes ``[N, K]`` of a block-format weight at per-row scales: ``(value × scale) × (1 / row)``.
 
     Args:
         values: fp32 ``[N, K]`` code values (:func:`code_values`).
         scales: fp32 ``[N, K]`` each weight's block scale.
         row_scales: fp32 ``[N]`` (:func:`fp8_row_scales`); a row scale of 0 (an all-zero row) counts as 1.
     """
-    y = values * (scales * inverse_row_scales(row_scales)[:, None])
+    y = (values * scales) * inverse_row_scales(row_scales)[:, None]
     return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 

@@ -14,14 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import (
-    FMT_INT8,
-    FMT_NVFP4,
-    _decode_e4m3,
-    clamp_e4m3,
-    recast_e4m3,
-    table,
-)
+from tidal_quant._triton import FMT_INT8, FMT_NVFP4, _decode_e4m3, e4m3x2, recast_e4m3, table
 
 _FMT = {"int8": FMT_INT8, "nf4": 1, "nvfp4": FMT_NVFP4}
 _CODE_MAX = {"int8": 127.0, "nf4": 1.0, "nvfp4": 6.0}  # reference.CODE_MAX, as kernel constants
@@ -53,10 +46,13 @@ def _row_scales_kernel(
 
 
 @triton.jit
-def _store_transposed(qt_ptr, y, rk, rn, mn, N):
-    """``y [BN, C]`` (weight rows ``rn``, columns ``rk``) as e4m3 at ``qt[rk, rn]`` (``qt`` is ``[K, N]``)."""
-    t = tl.trans(y.to(qt_ptr.dtype.element_ty))  # [C, BN]: bytes through the shuffle, not fp32
-    tl.store(qt_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], t, mask=mn[None, :])
+def _store_transposed(qt_ptr, y, rk, n0, N, BN: tl.constexpr, C: tl.constexpr):
+    """``y [BN, C]`` (weight rows ``n0 + [0, BN)``, columns ``rk``) as e4m3 at ``qt[rk, rows]``: ``qt`` is
+    ``[K, N]`` e4m3 viewed as int16 ``[K, N / 2]`` words, each the pair of rows ``2j, 2j + 1`` (``n0`` even)."""
+    even, odd = tl.split(tl.reshape(tl.trans(y), (C, BN // 2, 2)))  # [C, BN/2] rows 2j and 2j + 1
+    j = n0 // 2 + tl.arange(0, BN // 2)  # [BN/2] word columns
+    mask = (2 * j < N)[None, :]
+    tl.store(qt_ptr + rk[:, None].to(tl.int64) * (N // 2) + j[None, :], e4m3x2(even, odd), mask=mask)
 
 
 @triton.jit
@@ -64,9 +60,10 @@ def _recast_cols_kernel(
     d_ptr, s_ptr, g_ptr, tab_ptr, inv_ptr, qt_ptr, N, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    # one program: weight rows pid0 * BN + [0, BN), columns pid1 * BK + [0, BK) (K % BK == 0, K % BS == 0);
-    # inv: 1 / each row's scale
-    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
+    # one program: weight rows pid0 * BN + [0, BN), columns pid1 * BK + [0, BK) (K % BK == 0, K % BS == 0,
+    # N even); inv: 1 / each row's scale; qt: the [K, N] e4m3 output as int16 words
+    n0 = tl.program_id(0) * BN
+    rn = (n0 + tl.arange(0, BN)).to(tl.int64)  # [BN]
     mn = rn < N
     k0 = tl.program_id(1) * BK
     inv = tl.load(inv_ptr + rn, mask=mn, other=1.0)[:, None]  # [BN, 1]
@@ -74,7 +71,7 @@ def _recast_cols_kernel(
         rk = k0 + tl.arange(0, BK)  # [BK]
         q = tl.load(d_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + (rn[:, None] * K + rk[None, :]) // BS, mask=mn[:, None], other=0.0)
-        _store_transposed(qt_ptr, clamp_e4m3((q * s) * inv), rk, rn, mn, N)
+        _store_transposed(qt_ptr, (q * s) * inv, rk, n0, N, BN, BK)
     else:  # two weights per byte: the even and the odd columns, each a [BN, BK/2] half
         jb = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
         byte = tl.load(d_ptr + rn[:, None] * (K // 2) + jb[None, :], mask=mn[:, None], other=0).to(tl.int32)
@@ -85,8 +82,8 @@ def _recast_cols_kernel(
         else:  # nf4: high nibble = even weight
             even, odd = byte >> 4, byte & 15
         # the dequantized weights (as the reference) times 1 / their row's scale, as reference.recast_fp8
-        _store_transposed(qt_ptr, clamp_e4m3((tl.load(tab_ptr + even) * s) * inv), 2 * jb, rn, mn, N)
-        _store_transposed(qt_ptr, clamp_e4m3((tl.load(tab_ptr + odd) * s) * inv), 2 * jb + 1, rn, mn, N)
+        _store_transposed(qt_ptr, (tl.load(tab_ptr + even) * s) * inv, 2 * jb, n0, N, BN, BK // 2)
+        _store_transposed(qt_ptr, (tl.load(tab_ptr + odd) * s) * inv, 2 * jb + 1, n0, N, BN, BK // 2)
 
 
 def _pow2_dividing(k: int, cap: int) -> int:
@@ -161,6 +158,7 @@ def recast_cols(
     sc, g = _operands(fmt, scales, global_scale)
     tab = table("e2m1" if _FMT[fmt] == FMT_NVFP4 else "nf4", data.device)
     _recast_cols_kernel[(triton.cdiv(n, bn), k // bk)](
-        data, sc, g, tab, inv_row_scales, qt, n, k, _FMT[fmt], block_size, bn, bk, num_warps=warps
-    )
+        data, sc, g, tab, inv_row_scales, qt.view(torch.int16), n, k, _FMT[fmt], block_size, bn, bk,
+        num_warps=warps,
+    )  # fmt: skip
     return qt

@@ -2,15 +2,14 @@
 
     python3 benchmarks/quant/fp8_compute_sweep.py     # with packages/*/src on PYTHONPATH
 
-1. The e4m3 recast of NF4 and NVFP4 weights at Qwen2.5-14B's layer shapes, over launch configs of both
-   operands' kernels (row-major: the row-scales kernel and the dequantize kernel's e4m3 output, packed
-   bytes per program and warps; transposed: tile rows, tile columns, warps), against the HBM copy
-   bandwidth (packed codes and scales read, one byte per weight written), and the transposed recast
-   against the row-major one followed by a byte transpose. Each config must give the default's bytes
-   (checked before it is timed); times come from a CUDA graph of 10 calls.
+1. The e4m3 recast of NF4 and NVFP4 weights at Qwen2.5-14B's layer shapes: the row-major operand (the
+   row-scales kernel and the dequantize kernel's e4m3 output) over its launch configs (packed bytes per
+   program, warps) against the HBM copy bandwidth (packed codes and scales read, one byte per weight
+   written), and the transposed operand (the same recast, then a byte transpose). Each config must give
+   the default's bytes (checked before it is timed); times come from a CUDA graph of 10 calls.
 2. Forward, and forward + input gradient, of NF4 layers with and without ``fp8_compute`` (the recast forced
-   at every token count) from 16 to 512 tokens: device time from a CUDA graph and eager back-to-back time,
-   which sets :data:`tidal_quant.fp8_ops.FP8_COMPUTE_MIN_TOKENS`.
+   at every token count) from 16 to 2048 tokens: device time from a CUDA graph and eager back-to-back
+   time, which sets :data:`tidal_quant.fp8_ops.FP8_COMPUTE_MIN_TOKENS`.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ from tidal_quant import _triton, _triton_recast, fp8_ops, ops
 from tidal_quant.api import block_scales
 
 ROWS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # packed bytes per program, warps (4-bit formats)
-COLS = [(64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8), (64, 128, 8)]  # tile rows, columns, warps
-TOKENS = [16, 64, 128, 256, 512]
+TOKENS = [16, 128, 512, 1024, 2048]
 
 
 def _weights():
@@ -46,28 +44,16 @@ def _weights():
 def recast_tables(copy: float) -> list[str]:
     rows_t = ["| row-major recast, weight | bytes per program | warps | device µs | GB/s | of copy bw |"]
     rows_t.append("|---|---:|---:|---:|---:|---:|")
-    cols_t = [
-        "| transposed recast, weight | tile rows | tile columns | warps | device µs | GB/s | of copy bw |"
-    ]
-    cols_t.append("|---|---:|---:|---:|---:|---:|---:|")
-    alt = [
-        "| transposed operand, weight | recast_cols µs | recast_rows + transpose_bytes µs |",
-        "|---|---:|---:|",
-    ]
+    cols_t = ["| transposed operand (recast + byte transpose), weight | device µs |", "|---|---:|"]
     for label, fmt, data, scales, g, shape, bs, nbytes in _weights():
         rows = functools.partial(_triton_recast.recast_rows, fmt, data, scales, g, shape, bs)
         default = _triton.DEQUANT_4BIT_CONFIG
         rows_t += qbench.config_sweep(label, ROWS, default, rows, nbytes, copy)
         _, rs = rows(None)
         cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs[1], shape, bs)
-        cols_t += qbench.config_sweep(
-            label, COLS, _triton_recast.COLS_CONFIG, lambda cfg, cols=cols: (cols(cfg),), nbytes, copy
-        )
-        direct = qbench.graph_ms(lambda cols=cols: cols(None))
-        via = qbench.graph_ms(lambda rows=rows: _triton.transpose_bytes(rows(None)[0]))
-        alt.append(f"| {label} | {direct * 1e3:.1f} | {via * 1e3:.1f} |")
+        cols_t.append(f"| {label} | {qbench.graph_ms(cols) * 1e3:.1f} |")
         torch.cuda.empty_cache()
-    return [*rows_t, "", *cols_t, "", *alt]
+    return [*rows_t, "", *cols_t]
 
 
 def crossover_table() -> list[str]:

@@ -8,7 +8,7 @@ Triton and ``torch._scaled_mm`` with rowwise scales.
 Each forward recasts the stored weight to e4m3 with one scale per output row (one Triton kernel writing one
 byte per weight; what is stored does not change) and then takes the fp8 format's path: per-token e4m3
 activations times the recast weight through ``torch._scaled_mm``. The input gradient recasts the weight
-again, straight into the transposed layout ``_scaled_mm`` needs, at the forward's row scales, and multiplies
+again at the forward's row scales, transposes it into the layout ``_scaled_mm`` needs, and multiplies
 per-token e4m3 gradients by it. A row's scale comes from its block scales alone
 (:func:`tidal_quant.reference.fp8_row_scales`), so no pass over the weight precedes the recast. The recast
 rounds every dequantized weight once more, to e4m3's 3 mantissa bits: precision traded for tensor-core
@@ -192,9 +192,10 @@ def uses_scaled_mm(x: torch.Tensor, fmt: str, shape: Sequence[int]) -> bool:
 # -------------------------------------------------------------------------------- fp8 compute
 RECAST_FORMATS = ("int8", "nf4", "nvfp4")
 #: Fewer tokens per call than this keep the bf16 path (the fused dequant-matmul or dequantize + cuBLAS)
-#: under ``fp8_compute``: there the weight's bytes, not the multiply, set the time, and recasting writes a
-#: byte per weight that the fused kernel never writes.
-FP8_COMPUTE_MIN_TOKENS = 128
+#: under ``fp8_compute``: the two recasts cost about what the FP8 products save until the products are
+#: large. On the H200 (quant/fp8_compute_sweep.py, table.py) forward + input gradient at Qwen2.5-14B's
+#: shapes took longer recast than on the bf16 path at 512 tokens and less at 2048.
+FP8_COMPUTE_MIN_TOKENS = 1024
 
 
 def fp8_row_scales(
@@ -258,7 +259,7 @@ def _recast_t_ref(data, scales, global_scale, row_scales, fmt, shape, block_size
 
 
 def recast_t_cuda(data, scales, global_scale, row_scales, fmt, shape, block_size):
-    """:func:`recast_fp8_t` on CUDA: one Triton kernel, tiles stored transposed."""
+    """:func:`recast_fp8_t` on CUDA: the row-major recast at the given scales, then a byte transpose."""
     shp = (shape[0], shape[1])
     return as_bytes(_rc().recast_cols(fmt, data, scales, global_scale, row_scales[1], shp, block_size))
 

@@ -61,6 +61,24 @@ def test_bad_config():
         TidalQuantizationConfig("int4")
     with pytest.raises(OptionError, match="modules_to_not_convert"):
         TidalQuantizationConfig("nf4", modules_to_not_convert="mlp")
+    with pytest.raises(OptionError, match="fp8_compute"):
+        TidalQuantizationConfig("fp8", fp8_compute=True)
+    with pytest.raises(OptionError, match="fp8_compute"):
+        TidalQuantizationConfig("nf4", fp8_compute="yes")
+    with pytest.raises(OptionError, match="fp8_backward"):
+        TidalQuantizationConfig("nf4", fp8_backward=True)
+
+
+@pytest.mark.parametrize("fmt,flag", [("nf4", "fp8_compute"), ("fp8", "fp8_backward")])
+def test_fp8_options_reach_every_layer(tmp_path, fmt, flag):
+    from transformers import AutoModelForCausalLM
+
+    make_tiny("llama").save_pretrained(tmp_path)
+    cfg = TidalQuantizationConfig(fmt, **{flag: True})
+    assert cfg.quantize_kwargs() == {flag: True}
+    got = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
+    quant = [m for m in got.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(getattr(m, flag) for m in quant)
 
 
 def _new_api() -> bool:

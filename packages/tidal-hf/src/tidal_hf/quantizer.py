@@ -46,6 +46,9 @@ class TidalQuantizationConfig(QuantizationConfigMixin):
         block_size: block size of the format (None: its default, e.g. 64 for NF4).
         double_quant: quantize the NF4 block scales too (as bitsandbytes' double quantization).
         modules_to_not_convert: name fragments of layers to keep exact (e.g. ``["mlp.down_proj"]``).
+        fp8_compute: int8 / nf4 / nvfp4: run the layers on FP8 tensor cores, the weight recast to e4m3 per
+            call (``tidal_quant.QuantLinear``'s option of that name).
+        fp8_backward: fp8: compute the input gradient on FP8 tensor cores too.
     """
 
     def __init__(
@@ -54,14 +57,32 @@ class TidalQuantizationConfig(QuantizationConfigMixin):
         block_size: int | None = None,
         double_quant: bool = False,
         modules_to_not_convert: list[str] | None = None,
+        fp8_compute: bool = False,
+        fp8_backward: bool = False,
         **kwargs: Any,
     ) -> None:
         if fmt not in _FORMATS:
             raise bad_option("TidalQuantizationConfig", "fmt", fmt, f"one of {list(_FORMATS)}")
         if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)):
             raise bad_option("TidalQuantizationConfig", "block_size", block_size, "an int, or None")
-        if not isinstance(double_quant, bool):
-            raise bad_option("TidalQuantizationConfig", "double_quant", double_quant, "True or False")
+        for name, flag in (
+            ("double_quant", double_quant),
+            ("fp8_compute", fp8_compute),
+            ("fp8_backward", fp8_backward),
+        ):
+            if not isinstance(flag, bool):
+                raise bad_option("TidalQuantizationConfig", name, flag, "True or False")
+        if fp8_compute and fmt == "fp8":
+            raise bad_option(
+                "TidalQuantizationConfig",
+                "fp8_compute",
+                fp8_compute,
+                "False with fmt='fp8' (use fp8_backward)",
+            )
+        if fp8_backward and fmt != "fp8":
+            raise bad_option(
+                "TidalQuantizationConfig", "fp8_backward", fp8_backward, "False unless fmt='fp8'"
+            )
         if modules_to_not_convert is not None and not (
             isinstance(modules_to_not_convert, (list, tuple))
             and all(isinstance(s, str) for s in modules_to_not_convert)
@@ -76,6 +97,8 @@ class TidalQuantizationConfig(QuantizationConfigMixin):
         self.fmt = fmt
         self.block_size = block_size
         self.double_quant = double_quant
+        self.fp8_compute = fp8_compute
+        self.fp8_backward = fp8_backward
         self.modules_to_not_convert = list(modules_to_not_convert or [])
 
     def quantize_kwargs(self) -> dict[str, Any]:
@@ -83,8 +106,9 @@ class TidalQuantizationConfig(QuantizationConfigMixin):
         out: dict[str, Any] = {}
         if self.block_size is not None:
             out["block_size"] = self.block_size
-        if self.double_quant:
-            out["double_quant"] = True
+        for name in ("double_quant", "fp8_compute", "fp8_backward"):
+            if getattr(self, name, False):  # configs saved before an option existed lack it
+                out[name] = True
         return out
 
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qbench
 
-from tidal_quant import _triton, _triton_recast, fp8_ops, ops
+from tidal_quant import _triton, _triton_fp8, fp8_ops, ops
 from tidal_quant.api import block_scales
 
 ROWS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # packed bytes per program, warps (4-bit formats)
@@ -46,11 +46,11 @@ def recast_tables(copy: float) -> list[str]:
     rows_t.append("|---|---:|---:|---:|---:|---:|")
     cols_t = ["| transposed operand (recast + byte transpose), weight | device µs |", "|---|---:|"]
     for label, fmt, data, scales, g, shape, bs, nbytes in _weights():
-        rows = functools.partial(_triton_recast.recast_rows, fmt, data, scales, g, shape, bs)
+        rows = functools.partial(_triton_fp8.recast_rows, fmt, data, scales, g, shape, bs)
         default = _triton.DEQUANT_4BIT_CONFIG
         rows_t += qbench.config_sweep(label, ROWS, default, rows, nbytes, copy)
         _, rs = rows(None)
-        cols = functools.partial(_triton_recast.recast_cols, fmt, data, scales, g, rs[1], shape, bs)
+        cols = functools.partial(_triton_fp8.recast_cols, fmt, data, scales, g, rs[1], shape, bs)
         cols_t.append(f"| {label} | {qbench.graph_ms(cols) * 1e3:.1f} |")
         torch.cuda.empty_cache()
     return [*rows_t, "", *cols_t]

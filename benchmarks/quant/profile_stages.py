@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qbench
 
 import tidal_quant as tq
-from tidal_quant import _triton, ops
+from tidal_quant import _triton, _triton_fp8, fp8_ops, ops
 
 
 def back_to_back(fn: Callable[[], object], reps: int = 20) -> tuple[float, float]:
@@ -85,8 +85,8 @@ def linear_profile(in_f: int, out_f: int, tokens: int) -> None:
     fp8 = qbench.make_layer("fp8", in_f, out_f, w)
     qf = fp8.qweight
     data, scales = qf.data, qf.scales
-    q, sa = _triton.quantize_rows_fp8(xd)
-    row("fp8: activation quant (Triton)", lambda: _triton.quantize_rows_fp8(xd))
+    q, sa = _triton_fp8.quantize_rows_fp8(xd)
+    row("fp8: activation quant (Triton)", lambda: _triton_fp8.quantize_rows_fp8(xd))
     for fast in (False, True):  # ops.FP8_FAST_ACCUM_FORWARD picks the forward's setting
         row(
             f"fp8: _scaled_mm rowwise, fast_accum={fast}",
@@ -104,14 +104,14 @@ def linear_profile(in_f: int, out_f: int, tokens: int) -> None:
         "fp8: _scaled_mm tensorwise (compare)",
         lambda: torch._scaled_mm(q, data.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
     )
-    row("fp8: forward op (quant + mm)", lambda: ops._fp8_linear_cuda(xd, ops.as_bytes(data), scales, 0))
+    row("fp8: forward op (quant + mm)", lambda: fp8_ops.fp8_linear_cuda(xd, ops.as_bytes(data), scales, 0))
     row(
         "fp8: dequantize → bf16 (bwd)",
         lambda: _triton.dequantize(3, data, scales, None, qf.shape, 0, w.dtype),
     )
-    row("fp8: grad quant (bwd8)", lambda: _triton.quantize_rows_fp8(g, col_scale=scales))
-    row("fp8: weight transpose (bwd8)", lambda: _triton.transpose_bytes(data))
-    row("fp8: grad op (bwd8, quant+T+mm)", lambda: ops._fp8_grad_cuda(g, ops.as_bytes(data), scales))
+    row("fp8: grad quant (bwd8)", lambda: _triton_fp8.quantize_rows_fp8(g, col_scale=scales))
+    row("fp8: weight transpose (bwd8)", lambda: _triton_fp8.transpose_bytes(data))
+    row("fp8: grad op (bwd8, quant+T+mm)", lambda: fp8_ops.fp8_grad_cuda(g, ops.as_bytes(data), scales))
     with torch.no_grad():
         row("fp8: forward (no grad)", lambda: fp8(xd))
     step_rows("fp8", fp8, x, g)

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qbench
 
-from tidal_quant import _triton
+from tidal_quant import _triton_fp8
 
 SHAPES = [(512, 5120), (2048, 5120), (512, 13824), (2048, 13824)]  # (tokens, row width)
 CONFIGS = [(b, w) for b in (1024, 2048, 4096, 8192, 16384) for w in (4, 8, 16)]
@@ -33,8 +33,8 @@ def sweep(tokens: int, k: int, with_col: bool, copy_gbps: float) -> list[str]:
     return qbench.config_sweep(
         label,
         CONFIGS,
-        _triton.rows_fp8_config(k),
-        lambda cfg: _triton.quantize_rows_fp8(x, col, config=cfg),
+        _triton_fp8.rows_fp8_config(k),
+        lambda cfg: _triton_fp8.quantize_rows_fp8(x, col, config=cfg),
         x.numel() * 3 + tokens * 4,  # bf16 read, e4m3 and one fp32 scale per row written
         copy_gbps,
     )

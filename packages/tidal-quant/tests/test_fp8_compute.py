@@ -143,7 +143,7 @@ _INTERP = textwrap.dedent(
     """
     import torch
     import tidal_quant as tq
-    from tidal_quant import _triton_recast as R, fp8_ops, ops
+    from tidal_quant import _triton_fp8 as R, fp8_ops, ops
     from tidal_quant.api import block_scales
     # the row scales and their inverses bit for bit; the e4m3 codes are written by one PTX instruction per
     # pair (inline assembly, which the interpreter cannot run): the GPU tests check every byte of them
@@ -174,16 +174,16 @@ def test_row_scales_kernel_in_triton_interpreter():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(1024, 5120), (256, 13824), (48, 320)])
 def test_recast_kernels_bit_exact(fmt, shape):
-    from tidal_quant import _triton_recast
+    from tidal_quant import _triton_fp8
 
     qw = tq.quantize(_weight(*shape).cuda(), fmt)
     data, scales, g = _args(qw)
     want, want_rs = _recast(qw.to("cpu"))
     for config in (None, (2048, 8)):  # the default and another launch config: the same bytes
-        q, rs = _triton_recast.recast_rows(fmt, data, scales, g, shape, qw.block_size, config)
+        q, rs = _triton_fp8.recast_rows(fmt, data, scales, g, shape, qw.block_size, config)
         assert_bitwise_equal(rs, want_rs, f"{fmt} {shape} row scales {config}")
         assert_bitwise_equal(q.view(torch.uint8), want, f"{fmt} {shape} codes {config}")
-    t = _triton_recast.recast_cols(fmt, data, scales, g, want_rs[1].cuda(), shape, qw.block_size)
+    t = _triton_fp8.recast_cols(fmt, data, scales, g, want_rs[1].cuda(), shape, qw.block_size)
     assert_bitwise_equal(t.view(torch.uint8), want.t().contiguous(), f"{fmt} {shape} transposed")
 
 

@@ -123,7 +123,7 @@ def test_fp8_dequantize_every_code_bit_exact():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", [5000, 13824, 20000])
 def test_fp8_row_quantization_bit_exact(dtype, width):
-    from tidal_quant import _triton
+    from tidal_quant import _triton, _triton_fp8
 
     x = (torch.randn(64, width) * 3).to("cuda", dtype)
     x[5] = 0.0
@@ -132,7 +132,7 @@ def test_fp8_row_quantization_bit_exact(dtype, width):
     for cs in (None, c):
         rq, rs = tq.reference.quantize_rows_fp8(x.float().cpu() if cs is None else x.float().cpu() * cs.cpu())
         for config in (None, (1024, 4), one_tile):  # the default, and both kernel paths whatever it is
-            q, s = _triton.quantize_rows_fp8(x, cs, config=config)
+            q, s = _triton_fp8.quantize_rows_fp8(x, cs, config=config)
             assert_bitwise_equal(s, rs, f"row scales, config {config}")
             assert_bitwise_equal(q, rq, f"e4m3 codes, config {config}")
 
@@ -180,7 +180,7 @@ def test_fp8_quant_linear_runs_on_scaled_mm(monkeypatch, outliers, fp8_backward)
 _INTERP = textwrap.dedent(
     """
     import torch
-    from tidal_quant import _triton as T, reference as R
+    from tidal_quant import _triton as T, _triton_fp8 as F, reference as R
     w = torch.randn(24, 80) * 0.02
     w[0, :64] = 0
     w[2, :64] = R.nf4_midpoints().repeat(5)[:64] * 0.5
@@ -221,7 +221,7 @@ _INTERP = textwrap.dedent(
         d, s = R.quantize_fp8(torch.randn(shape) * 0.02)
         assert torch.equal(T.dequantize(3, d, s, None, shape, 0, torch.float32),
                            R.dequantize_fp8(d, s, torch.float32)), ("fp8", shape)
-        assert torch.equal(T.transpose_bytes(d).view(torch.uint8), d.view(torch.uint8).t().contiguous())
+        assert torch.equal(F.transpose_bytes(d).view(torch.uint8), d.view(torch.uint8).t().contiguous())
     # every finite e4m3 code, compared as bits: torch.equal calls -0.0 and +0.0 equal, the fp32 bits do not
     b = torch.arange(256, dtype=torch.uint8)
     b[b == 0x7F], b[b == 0xFF] = 0x80, 0x00  # NaN codes → ±0
@@ -257,7 +257,7 @@ _INTERP = textwrap.dedent(
         for cs in (None, c):
             y = torch.empty(7, k)
             sc = torch.empty(7, 1)
-            T._rows_fp8_kernel[(7,)](x, sc if cs is None else cs, y, sc, k, k, cs is not None, min(4096, T._pow2(k)))
+            F._rows_fp8_kernel[(7,)](x, sc if cs is None else cs, y, sc, k, k, cs is not None, min(4096, T._pow2(k)))
             xf = x if cs is None else x * cs
             rs = (xf.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
             assert torch.equal(sc, rs) and torch.equal(y, (xf / rs).clamp(-448, 448)), (k, cs is None)

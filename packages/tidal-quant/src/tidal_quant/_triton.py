@@ -1,4 +1,6 @@
-"""Triton kernels (CUDA). Imported lazily by :mod:`tidal_quant.ops`; never at ``import tidal_quant``.
+"""Triton kernels (CUDA): quantize, dequantize (to bf16 / fp16 / fp32, or to e4m3 for ``fp8_compute``) and
+the fused dequant-matmul. Imported lazily by :mod:`tidal_quant.ops`; never at ``import tidal_quant``. The
+FP8 paths' own kernels are in :mod:`tidal_quant._triton_fp8`.
 
 Each kernel reproduces :mod:`tidal_quant.reference` exactly: divisions use ``div_rn`` (IEEE, as torch),
 round-half-even uses the 1.5·2²³ trick (exact for |y| < 2²²; no FMA can form around an add), dequantize
@@ -407,24 +409,6 @@ def dequantize(
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    # dst[C, R] = src[R, C]ᵀ for one-byte elements, one [BR, BC] tile per program
-    rr = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    rc = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
-    t = tl.load(src_ptr + rr[:, None] * C + rc[None, :], mask=(rr[:, None] < R) & (rc[None, :] < C))
-    tl.store(dst_ptr + rc[:, None] * R + rr[None, :], tl.trans(t), mask=(rc[:, None] < C) & (rr[None, :] < R))
-
-
-def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
-    """Row-major ``xᵀ`` ``[C, R]`` of a contiguous one-byte ``[R, C]`` tensor (uint8 / float8)."""
-    r, c = x.shape
-    src = x.view(torch.uint8)
-    out = torch.empty(c, r, dtype=torch.uint8, device=x.device)
-    _transpose_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](src, out, r, c, 64, 64)
-    return out.view(x.dtype)
-
-
-@triton.jit
 def _scaled(v, s_ptr, g_ptr, rn, k0, mn, K: tl.constexpr, FMT: tl.constexpr, BS: tl.constexpr,
             BN: tl.constexpr, BK: tl.constexpr, SMODE: tl.constexpr):  # fmt: skip
     """``v [BN, BK]`` (code values of rows ``rn``, columns ``k0 + [0, BK)``) times their block scales.
@@ -546,89 +530,3 @@ def fused_matmul(
         k // bk // split, **launch,
     )  # fmt: skip
     return y if split == 1 else y.sum(0).to(x.dtype)  # [M, N]
-
-
-@triton.jit
-def _row_scale(amax, s_ptr, row, BLOCK: tl.constexpr):
-    """max(amax) / 448 (≥ 1e-12) of one row, stored at ``s_ptr[row]`` and returned as a [BLOCK] vector.
-
-    Computed identically in every lane: a vector keeps div_rn's operands fp32 tensors.
-    """
-    scale = tl.math.div_rn(
-        tl.zeros((BLOCK,), tl.float32) + tl.max(amax, 0), tl.full((BLOCK,), 448.0, tl.float32)
-    )
-    scale = tl.maximum(scale, tl.full((BLOCK,), 1e-12, tl.float32))
-    tl.store(s_ptr + row, tl.max(scale, 0))  # every lane holds the same value: one scalar store
-    return scale
-
-
-@triton.jit
-def _row_tile(x_ptr, c_ptr, row, stride_x, kt, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile ``kt`` of row ``row``: fp32 ``x`` (times the column scales ``c`` with ``HAS_C``) [BLOCK], its
-    column offsets and their mask (columns past ``K`` read as 0)."""
-    offs = kt * BLOCK + tl.arange(0, BLOCK)
-    m = offs < K
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_C:
-        x = x * tl.load(c_ptr + offs, mask=m, other=0.0)
-    return x, offs, m
-
-
-@triton.jit
-def _store_e4m3(q_ptr, row, x, offs, m, scale, K: tl.constexpr):
-    """``x / scale`` clamped to ±448, cast to the codes' dtype, stored at row ``row`` of ``q``."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    tl.store(q_ptr + row * K + offs, y.to(q_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _rows_fp8_kernel(
-    x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K: tl.constexpr, HAS_C: tl.constexpr, BLOCK: tl.constexpr
-):  # fmt: skip
-    # one program per row: pass 1 finds the row's absmax (of x * c), pass 2 writes e4m3 codes; a row
-    # that fits one tile (K <= BLOCK) is read once and kept in registers between the two
-    row = tl.program_id(0).to(tl.int64)
-    if K <= BLOCK:
-        x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, 0, K, HAS_C, BLOCK)
-        scale = _row_scale(tl.abs(x), s_ptr, row, BLOCK)
-        _store_e4m3(q_ptr, row, x, offs, m, scale, K)
-    else:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for kt in range(0, (K + BLOCK - 1) // BLOCK):
-            x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, kt, K, HAS_C, BLOCK)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = _row_scale(amax, s_ptr, row, BLOCK)
-        for kt in range(0, (K + BLOCK - 1) // BLOCK):
-            x, offs, m = _row_tile(x_ptr, c_ptr, row, stride_x, kt, K, HAS_C, BLOCK)
-            _store_e4m3(q_ptr, row, x, offs, m, scale, K)
-
-
-def rows_fp8_config(k: int) -> tuple[int, int]:
-    """(tile width, warps) of :func:`quantize_rows_fp8` for rows ``k`` wide.
-
-    Narrow tiles, the row read twice (the second time from L2): a program holding a whole 5120- or
-    13824-wide row in registers leaves too few rows in flight per SM. On the H200 (rows_fp8_sweep.py)
-    1024-wide tiles at 8 warps took 11-14 µs for 2048 rows of 5120 against 25-28 µs for one 8192 tile,
-    and 2048-wide ones at 16 warps 35-39 µs for 2048 rows of 13824 against 49-55 µs for one 16384 tile.
-    """
-    block = min(_pow2(k), 1024 if k <= 8192 else 2048)
-    return block, 16 if block >= 2048 else 8 if block >= 1024 else 4
-
-
-def quantize_rows_fp8(
-    x: torch.Tensor, col_scale: torch.Tensor | None = None, *, config: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 codes of ``x * col_scale`` (as :func:`tidal_quant.reference.quantize_rows_fp8`).
-
-    Returns (codes ``[T, K]`` float8_e4m3fn, fp32 scales ``[T, 1]``); one kernel. ``config`` (tile width,
-    warps) overrides :func:`rows_fp8_config`; rows wider than the tile are read twice (the second read
-    mostly hits L2). Every config gives the same bytes: the row's absmax is a max, in any order.
-    """
-    x = x.contiguous()
-    t, k = x.shape
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
-    c = col_scale.contiguous() if col_scale is not None else s
-    block, warps = config or rows_fp8_config(k)
-    _rows_fp8_kernel[(t,)](x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=warps)
-    return q, s

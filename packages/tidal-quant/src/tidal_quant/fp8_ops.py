@@ -28,16 +28,10 @@ from tidal_quant.ops import as_bytes, as_f8, capability
 
 
 def tr():
-    """:mod:`tidal_quant._triton` (imported on first CUDA use)."""
-    from tidal_quant import _triton
+    """:mod:`tidal_quant._triton_fp8`, the FP8 paths' Triton kernels (imported on first CUDA use)."""
+    from tidal_quant import _triton_fp8
 
-    return _triton
-
-
-def _rc():
-    from tidal_quant import _triton_recast
-
-    return _triton_recast
+    return _triton_fp8
 
 
 # [Note: fast accumulation] Hopper's FP8 tensor cores accumulate in reduced precision unless the
@@ -224,7 +218,7 @@ def recast_cuda(data, scales, global_scale, fmt, shape, block_size):
     """:func:`recast_fp8` on CUDA: the row scales (a small kernel), then the codes (the dequantize kernel's
     e4m3 output)."""
     _log.record_path("fp8_recast")
-    q, rs = _rc().recast_rows(fmt, data, scales, global_scale, (shape[0], shape[1]), block_size)
+    q, rs = tr().recast_rows(fmt, data, scales, global_scale, (shape[0], shape[1]), block_size)
     return as_bytes(q), rs
 
 
@@ -261,7 +255,7 @@ def _recast_t_ref(data, scales, global_scale, row_scales, fmt, shape, block_size
 def recast_t_cuda(data, scales, global_scale, row_scales, fmt, shape, block_size):
     """:func:`recast_fp8_t` on CUDA: the row-major recast at the given scales, then a byte transpose."""
     shp = (shape[0], shape[1])
-    return as_bytes(_rc().recast_cols(fmt, data, scales, global_scale, row_scales[1], shp, block_size))
+    return as_bytes(tr().recast_cols(fmt, data, scales, global_scale, row_scales[1], shp, block_size))
 
 
 @custom_op("tidal_quant::recast_fp8_t", mutates_args=())

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_INT8, FMT_NVFP4, _decode_e4m3, _pow2, recast_e4m3
+from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, recast_e4m3
+from tidal_quant.reference import CODE_MAX
 
 
 @triton.jit
@@ -125,8 +126,7 @@ def quantize_rows_fp8(
 
 
 # ------------------------------------------------------------------------------------ recast
-_FMT = {"int8": FMT_INT8, "nf4": 1, "nvfp4": FMT_NVFP4}
-_CODE_MAX = {"int8": 127.0, "nf4": 1.0, "nvfp4": 6.0}  # reference.CODE_MAX, as kernel constants
+_FMT = {"int8": FMT_INT8, "nf4": FMT_NF4, "nvfp4": FMT_NVFP4}
 
 _SCALES_PER_PROGRAM = 4096  # block scales one row-scales program reads
 
@@ -170,7 +170,7 @@ def row_scales(
     nsb = triton.next_power_of_2(per_row)
     bn = max(1, _SCALES_PER_PROGRAM // nsb)
     rs = torch.empty(2, n, dtype=torch.float32, device=scales.device)
-    _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], _CODE_MAX[fmt], bn)
+    _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], CODE_MAX[fmt], bn)
     return rs
 
 

@@ -10,6 +10,7 @@ import torch
 
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
+from tidal_kv import transfers as transfers_mod
 from tidal_kv.storage import dequantize_fp8, quantize_fp8
 from tidal_kv.streams import profiled
 from tidal_testing import assert_sqnr, devices
@@ -191,16 +192,17 @@ def test_decode_step_issues_one_record_and_one_wait_per_stream_per_offloaded_lay
         if stream is not None and event is not None:
             calls.append(("wait", stream))
 
-    monkeypatch.setattr(paged_mod, "record", record)
-    monkeypatch.setattr(paged_mod, "wait", wait)
-    monkeypatch.setattr(paged_mod, "on", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(paged_mod, "synchronize", lambda *streams: None)
-    monkeypatch.setattr(PagedKVCache, "_compute", lambda self: "compute")
+    for mod in (paged_mod, transfers_mod):  # the update path, and the page traffic's own module
+        monkeypatch.setattr(mod, "record", record)
+        monkeypatch.setattr(mod, "wait", wait)
+    monkeypatch.setattr(transfers_mod, "on", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(transfers_mod, "synchronize", lambda *streams: None)
     materialize = PagedKVCache._materialize
 
     def fake_cuda(self, k):
         materialize(self, k)
         self._cuda, self._h2d, self._d2h = True, "h2d", "d2h"
+        self._current_stream = lambda: "compute"
 
     monkeypatch.setattr(PagedKVCache, "_materialize", fake_cuda)
     cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, prefetch_slots=2)
@@ -375,7 +377,7 @@ def test_profiler_ranges_appear_only_while_profiling():
         for layer in range(6):
             cache.update(layer, one, one)
     names = {e.name for e in prof.events()}
-    assert {"tidal::kv_update", "tidal::kv_prefetch", "tidal::kv_gather"} <= names
+    assert {"tidal::kv_update", "tidal::kv_gather"} <= names  # prefetches are gathers: one range
     assert isinstance(profiled("tidal::kv_update"), contextlib.nullcontext)  # no profiler: no range cost
 
 
@@ -427,3 +429,27 @@ def test_kv_that_require_grad_are_refused_in_grad_mode():
             cache.update(layer, k, k)
     cache.update(0, k.detach(), k.detach())
     assert cache.seq_length(0) == 6 and torch.equal(cache.gather(1)[0], k.detach())
+
+
+def test_decode_tokens_take_the_flat_path_and_filling_a_page_the_general_one(monkeypatch):
+    # [Note: decode host path]: the flat path must serve exactly the steady decode tokens
+    cache = PagedKVCache(4, 64, resident_layers=2, page_tokens=8)
+    general: list[tuple[int, int]] = []
+    real = PagedKVCache._update
+
+    def counted(self, layer, k, v):
+        general.append((layer, self.seq_length(layer)))
+        return real(self, layer, k, v)
+
+    monkeypatch.setattr(PagedKVCache, "_update", counted)
+    ref = {layer: torch.randn(1, 2, 5, 4) for layer in range(4)}
+    for layer in range(4):
+        cache.update(layer, ref[layer], ref[layer])  # the prefill: general
+    for _ in range(5):  # tokens 6..10: the 8th fills page 0
+        for layer in range(4):
+            one = torch.randn(1, 2, 1, 4)
+            k, v = cache.update(layer, one, one)
+            ref[layer] = torch.cat([ref[layer], one], dim=2)
+            assert torch.equal(k, ref[layer]) and torch.equal(v, ref[layer])
+    off = cache.offloaded_layers
+    assert general == [(layer, 0) for layer in range(4)] + [(layer, 7) for layer in off]

@@ -7,7 +7,7 @@ import torch
 
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
-from tidal_kv.streams import CurrentStream
+from tidal_kv.streams import CurrentStream, wait
 from tidal_kv.views import TokenRange
 from tidal_testing import devices
 
@@ -61,3 +61,47 @@ def test_current_stream_follows_stream_contexts_and_reuses_its_object():
     with torch.cuda.stream(side):
         assert current() == side
     assert current() == torch.cuda.current_stream()
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_wait_inserts_a_wait_only_for_an_event_still_pending():
+    stream, pending, finished = _Stream(), _Event(False), _Event(True)
+    wait(stream, finished)  # a completed event orders nothing: no wait is inserted
+    wait(stream, None)
+    wait(None, pending)  # the CPU: no streams
+    assert stream.waited == []
+    wait(stream, pending)
+    assert stream.waited == [pending]
+
+
+@pytest.mark.gpu
+def test_wait_orders_work_behind_an_unfinished_event_and_skips_a_finished_one():
+    side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    compute.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # why: keep the side stream busy so the event is still pending
+        x.fill_(1.0)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    assert not ev.query()
+    wait(compute, ev)  # pending: the compute stream must wait for the fill
+    assert bool((x.clone() == 1.0).all())
+    ev.synchronize()
+    wait(compute, ev)  # finished: nothing to wait for
+    assert bool((x == 1.0).all())

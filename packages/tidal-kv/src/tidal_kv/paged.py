@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
-from tidal_arena import copy_rows
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
-from tidal_kv.slots import Slot, pick_slot, prefetch_order
+from tidal_kv.slots import Slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk
-from tidal_kv.streams import CurrentStream, on, profiled, record, synchronize, wait
-from tidal_kv.views import TokenRange
+from tidal_kv.streams import CurrentStream, ranged, record, wait
+from tidal_kv.transfers import PageTransfers
+from tidal_kv.views import KVRange, TailPage
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 << 20  # target bytes of one host chunk / staging copy (K and V of several pages)
 
 
-class PagedKVCache:
+class PagedKVCache(PageTransfers):
     """A paged KV cache whose offloaded layers live in host pages and are prefetched into device slots.
 
     Args:
@@ -87,6 +87,8 @@ class PagedKVCache:
             prefetch_slots=prefetch_slots,
         )
         self.stats = KVStats()
+        # read on every update (the config holds the same, checked values)
+        self._page_tokens, self._num_layers = page_tokens, num_layers
         self._lengths = [0] * num_layers
         self._shape: tuple[int, int, int] | None = None  # (B, H, D) once materialized
         self._dtype: torch.dtype | None = None
@@ -130,6 +132,7 @@ class PagedKVCache:
         self._check_layer(layer)
         return self._lengths[layer]
 
+    @ranged("tidal::kv_update")
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k``/``v`` to ``layer`` and return all its K/V.
 
@@ -145,33 +148,103 @@ class PagedKVCache:
         Raises:
             KVConfigError: ``k``/``v`` do not match the cache (shape, dtype, device) or ``layer`` is out of range.
         """
-        with profiled("tidal::kv_update"):
-            # the decode loop's case in one cheap test; anything else goes through the explaining checks
-            if not (
-                type(layer) is int
-                and 0 <= layer < self.config.num_layers
-                and self._shape is not None
-                and same_layout(k, v, self._shape, self._dtype, self._device)
-                and not (k.requires_grad or v.requires_grad)
-            ):
-                self._check_layer(layer)
-                self._check_kv(k, v)
-                if self._shape is None:
-                    self._materialize(k)
-            offloaded = layer in self._offloaded_set
-            # the compute stream, looked up once per update and only when an event is recorded or waited on
-            compute = self._compute() if self._cuda and (offloaded or self._current is not None) else None
-            self._release_current(compute)
-            new_len = self._lengths[layer] + k.shape[2]
-            if new_len > self._capacity:
-                self._grow(new_len)
-            if offloaded:
-                out = self._update_offloaded(layer, k, v, compute)
-            else:
-                out = self._update_resident(layer, k, v)
-            self._lengths[layer] = new_len
+        # [Note: decode host path] a batch-1 decode step is bound by the host: what it costs is the Python
+        # that issues it, about 2 µs per call frame inside a model step on the GPU machine. A decode step's
+        # update (one token; for an offloaded layer, its slot prefetched and no page filling) therefore takes
+        # a flat path, `_step_resident` / `_step_offloaded`, with views made once where steps repeat them
+        # (`TailPage.token`, `Slot.page`). Everything else (prefill, page boundaries, on-demand gathers,
+        # growth, the first update) takes `_update`, which checks and explains.
+        if (
+            type(layer) is int
+            and 0 <= layer < self._num_layers
+            and self._shape is not None
+            and same_layout(k, v, self._shape, self._dtype, self._device)
+            and k.shape[2] == 1
+            and not (k.requires_grad or v.requires_grad)
+            and self._lengths[layer] < self._capacity
+        ):
+            if layer not in self._offloaded_set:
+                return self._step_resident(layer, k, v)
+            slot = self._pending.get(layer)
+            s, p = self._lengths[layer], self._page_tokens
+            if slot is not None and (s + 1) % p and slot.pages >= s // p:
+                return self._step_offloaded(layer, k, v, slot)
+        return self._update(layer, k, v)
+
+    def _step_resident(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token of a resident layer (see [Note: decode host path])."""
+        cur = self._current
+        if cur is not None:
+            # why: hand back the slot the previous update returned (see `_release_current`)
+            cur.free_after = cur.free_ev = record(self._compute(), cur.free_ev)
+            self._current = None
+        s = self._lengths[layer]
+        out = self._res_at[layer].append(s, k, v)  # [B, H, s + 1, D] each
+        self._lengths[layer] = s + 1
+        if self._ahead:
             self._prefetch_ahead(layer)
-            return out
+        return out
+
+    def _step_offloaded(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot: Slot
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token of an offloaded layer whose full pages were prefetched into ``slot`` and whose
+        partial page does not fill (see [Note: decode host path])."""
+        compute = self._compute()
+        cur = self._current
+        if cur is not None:
+            # why: hand back the slot the previous update returned (see `_release_current`)
+            cur.free_after = cur.free_ev = record(compute, cur.free_ev)
+        del self._pending[layer]
+        if slot.prefetched_pages:
+            self.stats.prefetched += 1
+        self._current = slot
+        if slot.ready is not None:
+            wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
+            slot.ready = None
+        s, p = self._lengths[layer], self._page_tokens
+        page, t = divmod(s, p)
+        tail = self._tails[layer]
+        wk, wv = tail.token(t)  # [B, H, 1, D] each
+        wk.copy_(k)
+        wv.copy_(v)
+        # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
+        # goes behind the gathered pages
+        slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
+        self._lengths[layer] = s + 1
+        if self._ahead:
+            self._prefetch_ahead(layer)
+        return slot.both.upto(s + 1)
+
+    def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` in general: checks every argument, materializes, grows, gathers on demand."""
+        if not (
+            type(layer) is int
+            and 0 <= layer < self.config.num_layers
+            and self._shape is not None
+            and same_layout(k, v, self._shape, self._dtype, self._device)
+            and not (k.requires_grad or v.requires_grad)
+        ):
+            self._check_layer(layer)
+            self._check_kv(k, v)
+            if self._shape is None:
+                self._materialize(k)
+        offloaded = layer in self._offloaded_set
+        compute = self._compute()
+        self._release_current(compute)
+        new_len = self._lengths[layer] + k.shape[2]
+        if new_len > self._capacity:
+            self._grow(new_len)
+        if offloaded:
+            out = self._update_offloaded(layer, k, v, compute)
+        else:
+            out = self._update_resident(layer, k, v)
+        self._lengths[layer] = new_len
+        if self._ahead:
+            self._prefetch_ahead(layer)
+        return out
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh contiguous copy of ``layer``'s K/V (slow path for inspection; not used while decoding).
@@ -189,8 +262,8 @@ class PagedKVCache:
         if self._shape is None or n == 0:
             return torch.empty(0), torch.empty(0)
         if layer not in self._offloaded_set:
-            k_at, v_at = self._res_at[layer]
-            return k_at(0, n).clone(), v_at(0, n).clone()
+            k, v = self._res_at[layer].upto(n)
+            return k.clone(), v.clone()
         self._sync_copies()
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()  # why: the tail and pages must be settled
@@ -205,7 +278,7 @@ class PagedKVCache:
             if self._fp8:
                 kv = dequantize_fp8(kv, src.scale.to(self._device), self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
-        out[:, :, :, full * p :].copy_(self._tail_at[layer][0](0, n - full * p))
+        out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
         return out[0], out[1]
 
     def reset(self) -> None:
@@ -228,12 +301,12 @@ class PagedKVCache:
             VRAM would take at this capacity) and ``device_bytes_saved``.
         """
         dev = 0
-        for k_at, _v_at in self._res_at.values():
-            dev += 2 * k_at.buf.numel() * k_at.buf.element_size()
+        for kv_at in self._res_at.values():
+            dev += 2 * kv_at.k.numel() * kv_at.k.element_size()
         for s in self._slots:
             dev += 2 * s.k.numel() * s.k.element_size()
-        for tail_at, *_ in self._tail_at.values():
-            dev += tail_at.buf.numel() * tail_at.buf.element_size()
+        for tail_page in self._tails.values():
+            dev += tail_page.buf.numel() * tail_page.buf.element_size()
         for st in (self._h2d_stage, self._d2h_stage):
             dev += st.nbytes if st is not None else 0
         all_res = 0
@@ -293,9 +366,9 @@ class PagedKVCache:
         self._shape = None
         self._pool: HostPagePool | None = None
         # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
-        self._res_at: dict[int, tuple[TokenRange, TokenRange]] = {}
-        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D]) as token ranges: K and V, K, V
-        self._tail_at: dict[int, tuple[TokenRange, TokenRange, TokenRange]] = {}
+        self._res_at: dict[int, KVRange] = {}
+        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D])
+        self._tails: dict[int, TailPage] = {}
         self._host: dict[int, list[PageChunk]] = {}
         self._slots: list[Slot] = []
         self._pending: dict[int, Slot] = {}
@@ -352,7 +425,7 @@ class PagedKVCache:
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
             tail = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
-            self._tail_at[layer] = (TokenRange(tail), *(TokenRange(t) for t in tail.unbind(0)))
+            self._tails[layer] = TailPage(tail)
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
@@ -366,7 +439,7 @@ class PagedKVCache:
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
     def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._res_at[layer] = (TokenRange(k), TokenRange(v))
+        self._res_at[layer] = KVRange(k, v)
 
     def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self._shape
@@ -406,11 +479,10 @@ class PagedKVCache:
             logging.WARNING,
         )
         self.stats.reallocations += 1
-        for layer, (k_at, v_at) in list(self._res_at.items()):
+        for layer, kv_at in list(self._res_at.items()):
             nk, nv = self._empty_kv(new_cap)
             n = self._lengths[layer]
-            nk[:, :, :n].copy_(k_at(0, n))  # [B, H, n, D]
-            nv[:, :, :n].copy_(v_at(0, n))
+            KVRange(nk, nv).write(0, *kv_at.upto(n))  # [B, H, n, D] each
             self._set_resident(layer, nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
@@ -419,42 +491,20 @@ class PagedKVCache:
             self._current = None
         self._capacity = new_cap
 
-    # ------------------------------------------------------------------ streams and events
-
-    def _compute(self) -> Any:
-        return self._current_stream() if self._cuda else None
-
-    def _sync_copies(self) -> None:
-        """Block until every queued page copy finished (before buffers are reused or dropped)."""
-        # why: in-flight copies still read or write the pages and slots
-        synchronize(getattr(self, "_h2d", None), getattr(self, "_d2h", None))
-
-    def _release_current(self, compute: Any) -> None:
-        """Hand back the slot returned by the previous update: its layer's attention is queued by now."""
-        cur = self._current
-        if cur is not None:
-            # why: a refill of this slot must wait until the compute stream finished reading it
-            cur.free_after = cur.free_ev = record(compute, cur.free_ev)
-            self._current = None
-
     # ------------------------------------------------------------------ resident layers
 
     def _update_resident(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k_at, v_at = self._res_at[layer]  # token ranges of the [B, H, cap, D] buffers
-        s = self._lengths[layer]
-        t = k.shape[2]
-        k_at(s, t).copy_(k)
-        v_at(s, t).copy_(v)
-        return k_at(0, s + t), v_at(0, s + t)
+        # token ranges of the [B, H, cap, D] K and V buffers
+        return self._res_at[layer].append(self._lengths[layer], k, v)
 
     # ------------------------------------------------------------------ offloaded layers
 
     def _update_offloaded(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, compute: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.config.page_tokens
+        p = self._page_tokens
         s = self._lengths[layer]
         e = s + k.shape[2]
         full_old, full_new = s // p, e // p
@@ -471,18 +521,10 @@ class PagedKVCache:
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        tail_at, tk_at, tv_at = self._tail_at[layer]
+        # the partial page and the new tokens meet in the slot; filled pages drain to the host, and what stays
+        # partial goes back to the tail (a decode step's single token takes `_step_offloaded` instead)
         t_old = s - full_old * p
-        if full_new == full_old:
-            # the decode case: the new tokens stay in the partial page; append them to the tail, then one
-            # copy puts the whole partial page (K and V) behind the gathered pages
-            t_new = e - full_old * p
-            tk_at(t_old, t_new - t_old).copy_(k)
-            tv_at(t_old, t_new - t_old).copy_(v)
-            slot.kv_at(full_old * p, t_new).copy_(tail_at(0, t_new))  # [2, B, H, t_new, D]
-            slot.pages = full_new
-            return slot.k_at(0, e), slot.v_at(0, e)
-        tail = tail_at.buf  # [2, B, H, P, D]
+        tail = self._tails[layer].buf  # [2, B, H, P, D]
         if t_old:
             slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
             slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
@@ -496,78 +538,3 @@ class PagedKVCache:
             tail[1, :, :, :t_new].copy_(slot.v[:, :, full_new * p : e])
         slot.pages = full_new
         return slot.k[:, :, :e], slot.v[:, :, :e]
-
-    def _pick_slot(self, layer: int) -> Slot:
-        return pick_slot(self._slots, self._pending, self._current, layer, self.stats)
-
-    def _gather(self, layer: int, slot: Slot, pages: int) -> int:
-        """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""
-        first = slot.pages
-        if pages <= first:
-            return 0
-        with profiled("tidal::kv_gather"):
-            wait(self._h2d, slot.free_after)  # why: the compute stream may still read the previous owner
-            # why: these host pages may still be in flight D2H; once waited for, stream order covers every
-            # later gather of this layer, so the event is dropped (one wait per flush, not per step)
-            wait(self._h2d, self._flush_done.pop(layer, None))
-            runs = slot.gather_runs(
-                layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
-            )
-            for run in runs:
-                for copy in run.copies:
-                    copy(self._h2d)  # why: on the H2D stream, so it runs while the compute stream works
-                if run.stage is not None:
-                    # why: the dequantization reads the staging the copies above fill: same stream, in order.
-                    # The e4m3 -> K/V dtype copy is exact and the fp32 multiply rounds once: dequantize_fp8's
-                    # result in two kernels, without temporaries
-                    with on(self._h2d):
-                        run.dst.copy_(run.stage.data)
-                        run.dst.mul_(run.stage.scale)
-                self.stats.h2d_bytes += run.m * self._page_bytes
-            # why: the compute stream waits on this before reading the slot
-            slot.ready = slot.ready_ev = record(self._h2d, slot.ready_ev)
-        slot.pages = pages
-        self.stats.pages_gathered += pages - first
-        return pages - first
-
-    def _flush(self, layer: int, slot: Slot, first: int, last: int) -> None:
-        """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""
-        with profiled("tidal::kv_flush"):
-            self._ensure_host_pages(layer, last)
-            p, cp = self.config.page_tokens, self._chunk_pages
-            compute, stage = self._compute(), self._d2h_stage
-            page = first
-            while page < last:
-                chunk, i0 = divmod(page, cp)
-                m = min(cp - i0, last - page)
-                wait(compute, self._d2h_free)  # why: the previous D2H copy may still read the staging chunk
-                pages_kv = slot.kv[:, :, :, page * p : (page + m) * p]  # [2, B, H, m·P, D]
-                staged = stage.packed(m * p)
-                staged.store(pages_kv)
-                # why: the D2H copy must not read the staging chunk before it is filled
-                filled = record(compute)
-                dst = self._host[layer][chunk].tokens(i0 * p, (i0 + m) * p)
-                with on(self._d2h):  # why: the page drains while the compute stream carries on
-                    wait(self._d2h, filled)  # why: see `filled`
-                    copy_rows(dst.data, staged.data, 3, self._d2h)
-                    if self._fp8:
-                        copy_rows(dst.scale, staged.scale, 3, self._d2h)
-                    # why: the staging chunk is reusable, and these host pages readable, once this copy finished
-                    self._d2h_free = record(self._d2h)
-                self._flush_done[layer] = self._d2h_free
-                self.stats.d2h_bytes += m * self._page_bytes
-                self.stats.pages_flushed += m
-                page += m
-
-    def _prefetch_ahead(self, layer: int) -> None:
-        """Queue the gathers of the next offloaded layers after ``layer`` (see :func:`~tidal_kv.slots.prefetch_order`)."""
-        if not self._offloaded:
-            return
-        pending, p = self._pending, self.config.page_tokens
-        with profiled("tidal::kv_prefetch"):
-            for nxt in self._ahead[layer]:
-                if nxt in pending:
-                    continue
-                slot = self._pick_slot(nxt)
-                slot.prefetched_pages = self._gather(nxt, slot, self._lengths[nxt] // p)
-                pending[nxt] = slot

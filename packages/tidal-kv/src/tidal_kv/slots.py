@@ -16,7 +16,7 @@ import torch
 from tidal_arena import RowCopy
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, PageChunk
-from tidal_kv.views import TokenRange
+from tidal_kv.views import KVRange, TokenRange
 
 
 class GatherRun(NamedTuple):
@@ -54,14 +54,23 @@ class Slot:
     k: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[0]
     v: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[1]
     kv_at: TokenRange = field(init=False)  # token ranges of kv, [2, B, H, n, D]
-    k_at: TokenRange = field(init=False)  # ... of k, [B, H, n, D]
-    v_at: TokenRange = field(init=False)  # ... of v
+    both: KVRange = field(init=False)  # ... of k and v, [B, H, n, D] each
     # layer -> ((first, pages), runs) of the last gather of that layer into this slot
     plans: dict[int, tuple[tuple[int, int], list[GatherRun]]] = field(init=False, default_factory=dict)
+    # page index -> kv's [2, B, H, P, D] view of that page (see `page`)
+    _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.k, self.v = self.kv.unbind(0)
-        self.kv_at, self.k_at, self.v_at = TokenRange(self.kv), TokenRange(self.k), TokenRange(self.v)
+        self.kv_at, self.both = TokenRange(self.kv), KVRange(self.k, self.v)
+
+    def page(self, index: int, page_tokens: int) -> torch.Tensor:
+        """The ``[2, B, H, P, D]`` view of page ``index`` (made on first use, then kept: a decode step copies
+        a layer's partial page into the same page of a slot for ``page_tokens`` steps in a row)."""
+        view = self._pages.get(index)
+        if view is None:
+            view = self._pages[index] = self.kv_at(index * page_tokens, page_tokens)
+        return view
 
     def gather_runs(
         self,

@@ -33,7 +33,7 @@ def test_token_range_is_the_slice_view_of_buffers_and_their_unbound_parts(device
 
 def test_prefetch_order_is_the_next_offloaded_layers_cyclically():
     off = [1, 3, 5, 7]
-    assert prefetch_order(0, off, 2) == (1, 3)  # a resident layer keeps no slot: both slots prefetch
+    assert prefetch_order(0, off, 2) == (1,)  # one slot is left to cool (the last one attention read)
     assert prefetch_order(1, off, 2) == (3,)  # an offloaded layer's own slot stays in use
     assert prefetch_order(7, off, 3) == (1, 3)  # after the last one: the next step's first
     assert prefetch_order(4, [5], 2) == (5,)  # never more than the offloaded layers

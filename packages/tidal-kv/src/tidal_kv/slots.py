@@ -158,7 +158,11 @@ def pick_slot(
 
 def prefetch_order(layer: int, offloaded: list[int], n_slots: int) -> tuple[int, ...]:
     """The offloaded layers an update of ``layer`` prefetches: the next ones after it, cyclically (the next
-    step's first), as many as the slots not kept by this update (an offloaded layer's own slot stays in use).
+    step's first), ``n_slots - 1`` of them (fewer when there are fewer other offloaded layers).
+
+    One slot is always left out: the one the previous offloaded layer's attention reads, or just read. It is
+    refilled one update later, when that attention has usually finished on the device, so its gather needs no
+    wait on the compute stream (see [Note: completed events] in :mod:`tidal_kv.streams`).
 
     Args:
         layer: The layer being updated.
@@ -168,4 +172,4 @@ def prefetch_order(layer: int, offloaded: list[int], n_slots: int) -> tuple[int,
     live = 1 if layer in offloaded else 0
     n_off = len(offloaded)
     start = next((i for i, o in enumerate(offloaded) if o > layer), 0)  # the first offloaded one after it
-    return tuple(offloaded[(start + i) % n_off] for i in range(min(n_slots - live, n_off - live)))
+    return tuple(offloaded[(start + i) % n_off] for i in range(min(n_slots - 1, n_off - live)))

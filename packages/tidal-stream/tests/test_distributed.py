@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import random
 import socket
 import subprocess
 import sys
@@ -62,7 +63,26 @@ def _one_thread():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A port for rank 0's rendezvous store that nothing else is likely to take before rank 0 binds it.
+
+    A port the OS hands out (bind to 0) comes from the ephemeral range, which other launches' ranks also draw
+    from for their outgoing connections (gloo pairs, NCCL bootstrap): once on the GPU machine one of them took
+    such a port between this probe and rank 0's bind (EADDRINUSE). Ports just below that range are only ever
+    taken by explicit binds, so the probe picks one of those at random.
+    """
+    low = 32768  # Linux's default start of the ephemeral range
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.Random()
+    for _ in range(100):
+        port = pick.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: try another
+            return port
+    with socket.socket() as s:  # nothing free below the range: let the OS pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -1,4 +1,4 @@
-"""benchmarks/kv/stream_waits.py: a CPU run of the script (the traffic itself needs the GPU)."""
+"""benchmarks/kv/page_traffic.py: a CPU run of the script (the traffic itself needs the GPU)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,22 @@ from tidal_testing import torch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv"))
 
-import stream_waits as sw
+import page_traffic as pt
 
 
 def test_cpu_smoke_run(capsys) -> None:
     with torch_threads(2):
-        sw.main(["--smoke", "--steps", "2"])
+        pt.main(["--smoke", "--steps", "2"])
     out = capsys.readouterr().out
-    for name in ("dynamic", "dynamic+copies", "dynamic+waits", "dynamic+query", "tidal-resident", "tidal"):
+    names = (
+        "dynamic",
+        "dynamic+big",
+        "dynamic+copies",
+        "dynamic+waits",
+        "dynamic+query",
+        "tidal-resident",
+        "tidal",
+    )
+    for name in names:
         assert f"\n{name} " in out
     assert "waits inserted: 0 (" in out  # the CPU has no side stream: nothing is issued

@@ -1,15 +1,16 @@
 """What TidalCache's page traffic costs a host-bound decode step, without TidalCache: copies, and waits on them.
 
 ```bash
-python3 benchmarks/kv/stream_waits.py            # the GPU machine, ~30 s (8B shape, 4k x 1)
-python3 benchmarks/kv/stream_waits.py --smoke    # tiny Llama on the CPU (checks the script)
+python3 benchmarks/kv/page_traffic.py            # the GPU machine, ~30 s (8B shape, 4k x 1)
+python3 benchmarks/kv/page_traffic.py --smoke    # tiny Llama on the CPU (checks the script)
 ```
 
 One model decodes with DynamicCache, stepped in turn (as ``interleaved.py`` does) with variants that add, at
 every other layer, what an offloaded TidalCache layer adds: one 4k-token K/V copy host -> device on a side
 stream (16 MiB at the decode8b shape), and the compute stream's wait for it. Variants:
 
-- ``copies``: the copies alone, nothing waits for them;
+- ``big``: the same bytes in one copy at the start of the step (the link busy, one launch);
+- ``copies``: the per-layer copies alone, nothing waits for them;
 - ``waits``: the compute stream waits for the copy issued two layers before (long finished when the host
   gets there: the step is bound by the host);
 - ``query``: the same, but waits only when ``Event.query()`` says the copy is still running (what
@@ -33,7 +34,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-MODES = ("copies", "waits", "query")
+MODES = ("big", "copies", "waits", "query")
 
 
 class Traffic:
@@ -49,13 +50,24 @@ class Traffic:
         host = host.pin_memory() if cuda else host
         slots = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(2)]
         self.copies = [RowCopy(s, host, 3) for s in slots]  # [2, B, H, T, D] host rows -> a device slot
+        n_off = 16  # the offloaded layers of the decode8b stack (half of 32)
+        big_host = torch.empty((n_off, *shape), dtype=torch.bfloat16)
+        big_host = big_host.pin_memory() if cuda else big_host
+        big = torch.empty((n_off, *shape), dtype=torch.bfloat16, device=device)
+        self.big = RowCopy(big, big_host, 1)  # one step's pages in one copy
         self.side = torch.cuda.Stream() if cuda else None  # why: the gathers' own stream, as TidalCache's
         self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None  # copy i finished
         self.mode: str | None = None
         self.issued = self.waits = 0
 
     def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.mode is None or module.layer_idx % 2 == 0 or self.side is None:
+        if self.mode is None or self.side is None:
+            return
+        if self.mode == "big":
+            if module.layer_idx == 0:
+                self.big(self.side)
+            return
+        if module.layer_idx % 2 == 0:
             return
         import torch
 

@@ -1,0 +1,106 @@
+"""A/B of two tidal-kv versions in one process: ``interleaved.py`` with a ``tidal-base`` engine over another tree.
+
+```bash
+# on this machine: the baseline's tidal-kv sources into an ignored folder, carried to the GPU machine
+git archive <rev> packages/tidal-kv/src | tar -x -C .diag/base
+python3 benchmarks/kv/ab.py --baseline .diag/base/packages/tidal-kv/src --context 4096 --steps 120
+python3 benchmarks/kv/ab.py --baseline packages/tidal-kv/src --smoke   # tiny Llama on the CPU
+```
+
+At batch 1 a decode step is bound by the host, and the host's speed drifts between processes by more than a
+host-path change moves the step (three runs in a row of one version read 0.893-0.900x DynamicCache). Here
+the baseline's ``PagedKVCache`` (copied under another package name, ``tidal_kv_base``, with its imports
+rewritten) serves ``tidal-base``, a TidalCache built like ``tidal``'s, and both step in the same rotated
+rounds as DynamicCache: the ``paired_ratio`` columns of the two compare the versions on the same host.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ (engines: the scenario)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+BASE_NAME = "tidal_kv_base"
+_IMPORT = re.compile(r"\b(from|import) tidal_kv\b")
+
+
+def load_baseline(src: Path, into: Path) -> Any:
+    """Copy the ``tidal_kv`` package under ``src`` to ``into/tidal_kv_base`` (imports rewritten) and import it.
+
+    Args:
+        src: A tidal-kv ``src`` folder (it holds ``tidal_kv/``).
+        into: An empty folder to put the copy in (added to ``sys.path``).
+
+    Returns:
+        The imported ``tidal_kv_base`` package.
+    """
+    pkg = src / "tidal_kv"
+    if not (pkg / "__init__.py").is_file():
+        raise SystemExit(f"--baseline={src} is not a tidal-kv src folder: it has no tidal_kv/__init__.py")
+    dst = into / BASE_NAME
+    shutil.copytree(pkg, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in dst.rglob("*.py"):
+        f.write_text(_IMPORT.sub(lambda m: f"{m.group(1)} {BASE_NAME}", f.read_text()))
+    sys.path.insert(0, str(into))
+    import importlib
+
+    return importlib.import_module(BASE_NAME)
+
+
+def with_baseline(make_cache: Any, base: Any) -> Any:
+    """``decode_worker.make_cache`` that also builds ``tidal-base``: ``tidal``'s TidalCache over ``base``."""
+
+    def make(engine: str, model: Any, max_tokens: int, page_tokens: int, slots: int) -> Any:
+        if engine != "tidal-base":
+            return make_cache(engine, model, max_tokens, page_tokens, slots)
+        cache = make_cache("tidal", model, max_tokens, page_tokens, slots)
+        c = cache.paged.config
+        paged = base.PagedKVCache(
+            c.num_layers,
+            c.max_tokens,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            resident_layers=c.resident_layers,
+            page_tokens=c.page_tokens,
+            vram_budget=c.vram_budget,
+            vram_fraction=c.vram_fraction,
+            storage=c.storage,
+            prefetch_slots=c.prefetch_slots,
+        )
+        cache.paged = paged  # the adapter's layers read the paged cache through these references
+        for layer in cache.layers:
+            layer._paged = paged
+        return cache
+
+    return make
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--baseline" not in argv:
+        raise SystemExit("ab.py needs --baseline SRC (a tidal-kv src folder; see the module docstring)")
+    i = argv.index("--baseline")
+    src = Path(argv[i + 1])
+    del argv[i : i + 2]
+    if "--engines" not in argv:
+        argv += ["--engines", "dynamic,tidal,tidal-base,tidal-resident"]
+    import decode_worker
+    import interleaved
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_baseline(src, Path(tmp))
+        decode_worker.make_cache = with_baseline(decode_worker.make_cache, base)
+        print(f"tidal-base: PagedKVCache from {src}", flush=True)
+        return interleaved.main(argv)
+
+
+if __name__ == "__main__":
+    main()

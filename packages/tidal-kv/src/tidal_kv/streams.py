@@ -69,7 +69,7 @@ def wait(stream: Any, event: Any) -> None:
 
     [Note: completed events] On the GPU machine each wait inserted between two streams cost a decode step
     host time, about 50 µs per wait at the decode8b shape, even when the work it waits for had finished
-    long before (``benchmarks/kv/stream_waits.py``). A completed event orders nothing any more, so
+    long before (``benchmarks/kv/page_traffic.py``). A completed event orders nothing any more, so
     ``query()`` first: in a host-bound decode step the gathers and the attention these waits guard have
     usually finished by the time the next wait on them is issued, and no wait is inserted.
     """

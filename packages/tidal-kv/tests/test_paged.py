@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
@@ -453,3 +455,36 @@ def test_decode_tokens_take_the_flat_path_and_filling_a_page_the_general_one(mon
             assert torch.equal(k, ref[layer]) and torch.equal(v, ref[layer])
     off = cache.offloaded_layers
     assert general == [(layer, 0) for layer in range(4)] + [(layer, 7) for layer in off]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(2, 5),
+    page=st.integers(1, 4),
+    slots=st.sampled_from([2, 3]),
+    schedule=st.lists(
+        st.tuples(st.sampled_from([1, 1, 1, 2, 5]), st.booleans(), st.integers(0, 9)), min_size=1, max_size=14
+    ),
+    data=st.data(),
+)
+def test_any_schedule_of_updates_matches_concatenation(layers, page, slots, schedule, data):
+    # the flat decode path and the general one, interleaved by any mix of token counts, page sizes, slot
+    # counts, stack orders (a step's layers rotated) and resets, against torch.cat
+    resident = data.draw(st.integers(0, layers - 1), label="resident")
+    cache = PagedKVCache(layers, 6, resident_layers=resident, page_tokens=page, prefetch_slots=slots)
+    g = torch.Generator().manual_seed(len(schedule))
+    ref: dict[int, torch.Tensor] = {}
+    for n, reset, rotate in schedule:
+        if reset:
+            cache.reset()
+            ref.clear()
+        order = list(range(layers))
+        order = order[rotate % layers :] + order[: rotate % layers]
+        for layer in order:
+            kv = torch.randn(2, 1, 2, n, 4, generator=g)  # K and V, [B, H, n, D] each
+            ref[layer] = torch.cat([ref[layer], kv], dim=3) if layer in ref else kv
+            k, v = cache.update(layer, kv[0], kv[1])
+            assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1]), (layer, n)
+    for layer, kv in ref.items():
+        k, v = cache.gather(layer)
+        assert torch.equal(k, kv[0]) and torch.equal(v, kv[1])

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def timed(call: Callable[[], None], calls: int, repeats: int, sync: Callable[[], None]) -> float:
@@ -80,18 +81,11 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
     with torch.cuda.graph(graph):  # why: what replaying the three copies as one graph costs to issue
         three_copies()
     out["CUDAGraph.replay (3 copies)"] = graph.replay
-    # a whole 4k layer's pages (K and V, 16 rows of context tokens each) into a slot, as a decode step gathers
-    pages = torch.empty(2, 1, heads, context, head_dim, dtype=bf).pin_memory()
-    layer_copy = RowCopy(slot[:, :, :, :context], pages, 3)
-    out[f"RowCopy H2D {pages.nbytes >> 20} MiB (2D)"] = lambda: layer_copy(h2d)
-    flat = torch.empty(pages.numel(), device=dev, dtype=bf)
-    flat_copy = RowCopy(flat.view(pages.shape), pages, 3)
-    out[f"RowCopy H2D {pages.nbytes >> 20} MiB (1D)"] = lambda: flat_copy(h2d)
-    out.update(triton_launch(k, tk))
+    out.update(triton_launch(k))
     return out
 
 
-def triton_launch(k, tk) -> dict[str, Callable[[], None]]:
+def triton_launch(k: Any) -> dict[str, Callable[[], None]]:
     """A minimal Triton copy kernel's launch, when Triton is installed."""
     try:
         import triton

@@ -18,7 +18,7 @@ import torch
 
 from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
 from tidal_kv.errors import KVConfigError
-from tidal_kv.slots import Slot, prefetch_order
+from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk
 from tidal_kv.streams import CurrentStream, ranged, record, wait
@@ -512,7 +512,7 @@ class PagedKVCache(PageTransfers):
         full_old, full_new = s // p, e // p
         slot = self._pending.pop(layer, None)
         if slot is None:
-            slot = self._pick_slot(layer)
+            slot = pick_slot(self._slots, self._pending, self._current, layer, self.stats)
         elif slot.prefetched_pages:
             self.stats.prefetched += 1
         if slot.pages < full_old:

@@ -38,9 +38,6 @@ class PageTransfers:
 
     # ------------------------------------------------------------------ gathers and flushes
 
-    def _pick_slot(self, layer: int) -> Slot:
-        return pick_slot(self._slots, self._pending, self._current, layer, self.stats)
-
     @ranged("tidal::kv_gather")
     def _gather(self, layer: int, slot: Slot, pages: int) -> int:
         """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""

@@ -67,12 +67,8 @@ class KVRange:
 
     def append(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`write` ``k``/``v`` at ``start``, then the K and V views of everything up to them."""
-        t, stride, kk, vv = k.shape[-2], self._stride, self.k, self.v
-        size, at = (*self._lead, t, self._d), start * self._step
-        kk.as_strided(size, stride, self._k_off + at).copy_(k)
-        vv.as_strided(size, stride, self._v_off + at).copy_(v)
-        size = (*self._lead, start + t, self._d)
-        return kk.as_strided(size, stride, self._k_off), vv.as_strided(size, stride, self._v_off)
+        self.write(start, k, v)
+        return self.upto(start + k.shape[-2])
 
 
 class TailPage:

@@ -71,6 +71,37 @@ def test_state_dict_round_trip(fmt, cfg):
     assert set(dict(dst.named_buffers())) == {k for k in sd if "bias" not in k}
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "fp8", "nvfp4"])
+def test_layer_plan_is_reused_until_a_buffer_is_replaced_or_an_option_changes(fmt):
+    a, b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    qa, qb = tq.QuantLinear.from_linear(a, fmt), tq.QuantLinear.from_linear(b, fmt)
+    x = torch.randn(3, 64)
+    qa(x)
+    plan = qa._plan()
+    assert qa._plan() is plan  # reused while nothing changed
+    qa.load_state_dict(qb.state_dict())  # written in place: the plan holds the buffers, so it stands
+    assert torch.equal(qa(x), qb(x)) and qa._plan() is plan
+    qa.weight_scales = qa.weight_scales.clone()  # a buffer replaced
+    assert qa._plan() is not plan
+    plan = qa._plan()
+    option, value = ("fp8_backward", True) if fmt == "fp8" else ("fp8_compute", True)
+    setattr(qa, option, value)  # an option changed after construction
+    assert qa._plan() is not plan and getattr(qa._plan(), "fp8_grad" if fmt == "fp8" else option)
+    setattr(qa, option, "yes")
+    with pytest.raises(ValueError, match=option):
+        qa(x)
+
+
+def test_double_quantized_layer_derives_its_scales_per_call():
+    a, b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    qa, qb = (tq.QuantLinear.from_linear(m, "nf4", double_quant=True) for m in (a, b))
+    x = torch.randn(3, 64)
+    qa(x)
+    qa.load_state_dict(qb.state_dict())  # new bytes in the same buffers: new block scales
+    assert torch.equal(qa(x), qb(x))
+    assert "_plan_cache" not in qa.__dict__  # nothing derived from the bytes is kept
+
+
 def test_fp8_emulated_tensor_core_path_and_outliers():
     # the reference of the FP8 tensor-core path: per-token e4m3 activations; outlier channels exact
     w = torch.randn(64, 256) * 0.02

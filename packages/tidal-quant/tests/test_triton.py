@@ -69,6 +69,31 @@ def test_dequantize_matches_reference(fmt):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_reused_dequantize_launch_writes_a_new_exact_tensor_each_call(fmt):
+    qw = tq.quantize(_weights()[0].cpu(), fmt)
+    ref32 = tq.dequantize(qw, torch.float32)
+    qg = qw.to("cuda")
+    args = (
+        ops.as_bytes(qg.data),
+        ops.as_bytes(qg.scales),
+        qg.global_scale,
+        fmt,
+        list(qg.shape),
+        qg.block_size or 0,
+    )
+    launch = ops.dequant_launch(*args, torch.float32)
+    side = torch.cuda.Stream()
+    outs = [launch() for _ in range(3)]
+    with torch.cuda.stream(side):  # the current stream is the launch's: ordered after its allocation there
+        outs.append(launch())
+    side.synchronize()
+    for got in outs:
+        assert_bitwise_equal(got, ref32, f"{fmt} reused launch")
+    assert len({t.data_ptr() for t in outs}) == len(outs)  # each call wrote its own tensor
+
+
+@gpu
 @pytest.mark.parametrize("fmt", ["int8", "nf4", "nvfp4"])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_quant_linear_gpu_paths(fmt, tokens):

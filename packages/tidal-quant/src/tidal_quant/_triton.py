@@ -312,29 +312,83 @@ _WORDS = {
 DEQUANT_4BIT_CONFIG = (1024, 4)
 
 
-def _dequant_4bit(
-    nvfp4,
-    data,
-    scales,
-    global_scale,
-    shape,
-    block_size,
-    dtype,
-    config: tuple[int, int] | None = None,
+class DequantLaunch:
+    """Dequantize one weight again and again: every kernel argument but the output is worked out once.
+
+    Calling it allocates the output and launches the kernel. A layer keeps one per activation dtype
+    (:class:`tidal_quant.linear_ops.LinearPlan`), so its eager calls skip the argument arithmetic; on the
+    H200 machine that took a dequantize from 32 to 18-21 µs of host time, of which the launch itself is
+    16-19 (``.diag``-style probe in benchmarks/results/quant-fwd-parts-h200-2026-11-30.txt).
+    """
+
+    __slots__ = (
+        "_after",
+        "_before",
+        "_device",
+        "_dtype",
+        "_fn",
+        "_grid",
+        "_shape",
+        "_size",
+        "_warps",
+        "_word",
+    )
+
+    def __init__(self, fn, grid, before, after, warps, size, dtype, word, shape, device):
+        self._fn, self._grid, self._warps = fn, grid, warps
+        self._before, self._after = before, after  # kernel arguments before / after the output's
+        self._size, self._dtype, self._device = size, dtype, device  # the buffer allocated per launch
+        self._word = word  # dtype the kernel writes the buffer as (None: the buffer's own)
+        self._shape = shape  # the result's shape (a prefix of the flat buffer), None: the buffer itself
+
+    def __call__(self) -> torch.Tensor:
+        buf = torch.empty(self._size, dtype=self._dtype, device=self._device)
+        out = buf if self._word is None else buf.view(self._word)
+        self._fn[self._grid](*self._before, out, *self._after, num_warps=self._warps)
+        if self._shape is None:
+            return buf
+        numel = self._shape[0] * self._shape[1]
+        return (buf if numel == buf.numel() else buf[:numel]).view(self._shape)
+
+
+def dequant_launch(
+    fmt_id: int,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    shape: tuple[int, int],
+    block_size: int,
+    dtype: torch.dtype | None,
+    *,
     inv_row_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """NF4 / NVFP4 → ``dtype``, or with ``inv_row_scales`` (fp32 ``[N]``, 1 / each row's scale) → e4m3 codes at
-    those row scales (``dtype`` unused)."""
-    numel = shape[0] * shape[1]
+    config: tuple[int, int] | None = None,
+) -> DequantLaunch:
+    """A :class:`DequantLaunch` of int8 / NF4 / NVFP4 / FP8 ``data`` (fp8 and e4m3 scales as uint8 views) to
+    ``dtype``, or, with ``inv_row_scales`` (fp32 ``[N]``, 1 / each row's scale; not fp8), to e4m3 codes at
+    those row scales (``dtype`` unused). ``config``: the 4-bit kernel's (packed bytes per program, warps)."""
+    data = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
+    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    if fmt_id in (FMT_NF4, FMT_NVFP4):
+        return _dequant_4bit_launch(
+            fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, dtype, config, inv_row_scales
+        )
+    if fmt_id == FMT_INT8:
+        return _dequant_int8_launch(data, scales, shape, block_size, dtype, inv_row_scales)
+    assert fmt_id == FMT_FP8 and inv_row_scales is None, fmt_id
+    n, k = shape
+    grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
+    return DequantLaunch(
+        _dequant_fp8_kernel, grid, (data, scales), (n, k, 16, 512), 8, shape, dtype, None, None, data.device
+    )
+
+
+def _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, dtype, config, inv_row_scales):
     n_bytes = data.numel()
     if inv_row_scales is None:
         out_id, word = _WORDS[dtype]
     else:
         dtype, (out_id, word) = torch.float8_e4m3fn, (3, torch.int16)
-    # [2 * n_bytes] elements (one of padding when numel is odd), written as n_bytes words
-    flat = torch.empty(2 * n_bytes, dtype=dtype, device=data.device)
     gb = 8 if nvfp4 else block_size // 2  # packed bytes per scale (a power of two ≥ 8)
-    nb = scales.numel()
     g = global_scale if nvfp4 else scales
     tab = table("e2m1" if nvfp4 else "nf4", data.device)
     per_program, warps = config or DEQUANT_4BIT_CONFIG
@@ -342,27 +396,41 @@ def _dequant_4bit(
     wide = n_bytes + per_program >= 2**31
     e4m3 = inv_row_scales is not None
     inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 1)  # K only matters for e4m3 output
-    _dequant_4bit_kernel[(triton.cdiv(n_bytes, per_program),)](
-        data, scales, g, tab, flat.view(word), n_bytes, nb, inv, k, gb, per_program // 4, nvfp4,
-        out_id, even, wide, num_warps=warps,
-    )  # fmt: skip
-    return (flat if numel == flat.numel() else flat[:numel]).view(shape)
+    consts = (gb, per_program // 4, nvfp4, out_id, even, wide)
+    after = (n_bytes, scales.numel(), inv, k, *consts)
+    # [2 * n_bytes] elements (one of padding when numel is odd), written as n_bytes words
+    grid = (triton.cdiv(n_bytes, per_program),)
+    return DequantLaunch(
+        _dequant_4bit_kernel,
+        grid,
+        (data, scales, g, tab),
+        after,
+        warps,
+        (2 * n_bytes,),
+        dtype,
+        word,
+        shape,
+        data.device,
+    )
 
 
-def _dequant_int8(
-    data, scales, shape, block_size, dtype, inv_row_scales: torch.Tensor | None = None
-) -> torch.Tensor:
-    """int8 → ``dtype``, or with ``inv_row_scales`` (1 / each row's scale) → e4m3 codes (``dtype`` unused)."""
+def _dequant_int8_launch(data, scales, shape, block_size, dtype, inv_row_scales):
     e4m3 = inv_row_scales is not None
-    out = torch.empty(shape, dtype=torch.float8_e4m3fn if e4m3 else dtype, device=data.device)
     numel = shape[0] * shape[1]
     blk = 8192  # codes per program: 32 per thread at 8 warps
     even, wide = numel % blk == 0, numel + blk >= 2**31
     inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 1)  # K only matters for e4m3 output
-    _dequant_int8_kernel[(triton.cdiv(numel, blk),)](
-        data, scales, out, numel, inv, k, block_size, blk // 8, even, wide, e4m3, num_warps=8
+    after = (numel, inv, k, block_size, blk // 8, even, wide, e4m3)
+    out_dtype = torch.float8_e4m3fn if e4m3 else dtype
+    grid = (triton.cdiv(numel, blk),)
+    return DequantLaunch(
+        _dequant_int8_kernel, grid, (data, scales), after, 8, shape, out_dtype, None, None, data.device
     )
-    return out
+
+
+def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype, config=None) -> torch.Tensor:
+    """NF4 / NVFP4 → ``dtype`` at a given kernel ``config`` (benchmarks/quant/dequant_sweep.py)."""
+    return _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, dtype, config, None)()
 
 
 def recast_e4m3(
@@ -378,10 +446,18 @@ def recast_e4m3(
     """e4m3 codes ``[N, K]`` of an int8 / NF4 / NVFP4 weight at per-row scales given as their inverses (fp32
     ``[N]``): the dequantize kernels with e4m3 output, one byte per weight written (``K % 8 == 0``; ``config``
     as 4-bit dequantize's)."""
-    if fmt_id == FMT_INT8:
-        return _dequant_int8(data, scales, shape, block_size, None, inv_row_scales)
-    nvfp4 = fmt_id == FMT_NVFP4
-    return _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, None, config, inv_row_scales)
+    launch = dequant_launch(
+        fmt_id,
+        data,
+        scales,
+        global_scale,
+        shape,
+        block_size,
+        None,
+        inv_row_scales=inv_row_scales,
+        config=config,
+    )
+    return launch()
 
 
 def dequantize(
@@ -394,18 +470,7 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Dequantize int8 / NF4 / NVFP4 / FP8 ``data`` (fp8 and e4m3 scales as uint8 views) to ``dtype``."""
-    data = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
-    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
-    if fmt_id in (FMT_NF4, FMT_NVFP4):
-        return _dequant_4bit(fmt_id == FMT_NVFP4, data, scales, global_scale, shape, block_size, dtype)
-    if fmt_id == FMT_INT8:
-        return _dequant_int8(data, scales, shape, block_size, dtype)
-    assert fmt_id == FMT_FP8, fmt_id
-    out = torch.empty(shape, dtype=dtype, device=data.device)
-    n, k = shape
-    grid = (triton.cdiv(n, 16), triton.cdiv(k, 512))
-    _dequant_fp8_kernel[grid](data, scales, out, n, k, 16, 512, num_warps=8)
-    return out
+    return dequant_launch(fmt_id, data, scales, global_scale, shape, block_size, dtype)()
 
 
 @triton.jit

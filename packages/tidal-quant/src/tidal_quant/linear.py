@@ -104,36 +104,38 @@ def quant_linear(
     Returns:
         ``[..., out_features]`` in ``x.dtype``.
     """
-    return _quant_linear(x, check_quantized(qw), bias, outliers, fp8_backward, fp8_compute)
+    return _run(x, _plan_of(check_quantized(qw), outliers, fp8_backward, fp8_compute), bias)
 
 
-def _quant_linear(
-    x: torch.Tensor,
-    qw: QuantizedWeight,
-    bias: torch.Tensor | None,
-    outliers: float,
-    fp8_backward: bool,
-    fp8_compute: bool,
-) -> torch.Tensor:
-    """:func:`quant_linear` for an already validated ``qw``."""
+def _plan_of(
+    qw: QuantizedWeight, outliers: object, fp8_backward: object, fp8_compute: object
+) -> linear_ops.LinearPlan:
+    """A :class:`~tidal_quant.linear_ops.LinearPlan` of an already validated ``qw``, the options checked."""
+    return linear_ops.LinearPlan(
+        _op_args(qw),
+        n_outlier_channels(check_outliers(qw.fmt, outliers), qw.shape[1]),
+        check_fp8_backward(qw.fmt, fp8_backward),
+        check_fp8_compute(qw.fmt, fp8_compute),
+    )
+
+
+def _run(x: torch.Tensor, plan: linear_ops.LinearPlan, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` for the weight of ``plan``, after checking ``x`` and ``bias`` against it."""
+    data, n, k = plan.args[0], plan.args[4][0], plan.args[4][1]
     if not isinstance(x, torch.Tensor):
         raise bad_arg("x", type(x).__name__, "a torch.Tensor")
     if x.dtype not in _ACT_DTYPES:
         raise bad_arg("x.dtype", x.dtype, "bfloat16, float16 or float32", "cast the input")
-    if x.dim() < 1 or x.shape[-1] != qw.shape[1]:
-        raise bad_arg("x.shape", tuple(x.shape), f"[..., {qw.shape[1]}] (in_features of the weight)")
-    if x.device != qw.device:
-        raise bad_arg("x.device", str(x.device), f"the weight's device {qw.device}", "move x or the module")
-    if bias is not None and (bias.shape != (qw.shape[0],) or bias.device != qw.device):
-        raise bad_arg("bias", (tuple(bias.shape), str(bias.device)), f"[{qw.shape[0]}] on {qw.device}")
-    n_out = n_outlier_channels(check_outliers(qw.fmt, outliers), qw.shape[1])
-    fp8_grad = check_fp8_backward(qw.fmt, fp8_backward)
-    recast = check_fp8_compute(qw.fmt, fp8_compute)
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise bad_arg("x.shape", tuple(x.shape), f"[..., {k}] (in_features of the weight)")
+    if x.device != data.device:
+        raise bad_arg("x.device", str(x.device), f"the weight's device {data.device}", "move x or the module")
+    if bias is not None and (bias.shape != (n,) or bias.device != data.device):
+        raise bad_arg("bias", (tuple(bias.shape), str(bias.device)), f"[{n}] on {data.device}")
     # the profiler range only while a profiler records: entering one costs a dispatcher call per layer
     with record_function("tidal::quant_linear") if ops.profiling() else contextlib.nullcontext():
-        x2 = x.reshape(-1, qw.shape[1])  # [T, K]
-        y = linear_ops.linear_fast(x2, *_op_args(qw), n_out, fp8_grad, recast)  # [T, N]
-    y = y.view(*x.shape[:-1], qw.shape[0])  # [..., N]
+        y = linear_ops.linear_fast(x.reshape(-1, k), plan)  # [T, N]
+    y = y.view(*x.shape[:-1], n)  # [..., N]
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -255,25 +257,31 @@ class QuantLinear(nn.Module):
 
         return dequantize(self.qweight, dtype)
 
-    def _checked_qweight(self) -> QuantizedWeight:
-        """:attr:`qweight`, validated once per set of buffer objects (not on every forward)."""
-        if torch.compiler.is_compiling():
-            return check_quantized(self.qweight)
+    def _plan(self) -> linear_ops.LinearPlan:
+        """The eager calls' :class:`~tidal_quant.linear_ops.LinearPlan`, made again when a buffer is replaced
+        or an option changes (the weight is validated each time one is made).
+
+        The plan holds the buffers themselves, never data derived from their bytes, so bytes written in
+        place (``load_state_dict``, a streamed block's refill) need no new plan. Double-quantized layers
+        derive their block scales, so they keep no plan (see :meth:`forward`).
+        """
         bufs = tuple(self._buffers[_BUFFER[f]] for f in self._fields)
-        cached = self.__dict__.get("_qweight_cache")
-        if (
-            cached is not None
-            and len(cached[0]) == len(bufs)
-            and all(a is b for a, b in zip(cached[0], bufs))
-        ):
-            return cached[1]
+        options = (self.outliers, self.fp8_backward, self.fp8_compute)
+        cached = self.__dict__.get("_plan_cache")
+        if cached is not None and cached[0] == options and all(a is b for a, b in zip(cached[1], bufs)):
+            return cached[2]
         qw = check_quantized(self.qweight)
-        self.__dict__["_qweight_cache"] = (bufs, qw)  # holds the same tensors as the buffers: no extra memory
-        return qw
+        plan = _plan_of(qw, *options)
+        self.__dict__["_plan_cache"] = (options, bufs, plan)  # the buffers themselves: no extra memory
+        return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qw = self._checked_qweight()
-        return _quant_linear(x, qw, self.bias, self.outliers, self.fp8_backward, self.fp8_compute)
+        # traced (every check in the graph's guards) or double-quantized (block scales derived per call,
+        # so that a streamed layer keeps none of them resident): no cached plan
+        if self.double_quant or torch.compiler.is_compiling():
+            qw = check_quantized(self.qweight)
+            return _run(x, _plan_of(qw, self.outliers, self.fp8_backward, self.fp8_compute), self.bias)
+        return _run(x, self._plan(), self.bias)
 
     def extra_repr(self) -> str:
         extra = f", block_size={self.block_size}" if self.block_size else ""

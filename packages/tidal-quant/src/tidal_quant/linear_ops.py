@@ -27,7 +27,7 @@ from tidal_quant.fp8_ops import (
     uses_recast,
     uses_scaled_mm,
 )
-from tidal_quant.ops import as_f8, dequant_eager, dequantize, qmatmul, qmatmul_eager
+from tidal_quant.ops import as_f8, dequant_eager, dequant_launch, dequantize, qmatmul, qmatmul_eager
 
 
 @custom_op("tidal_quant::linear", mutates_args=())
@@ -62,26 +62,7 @@ def _(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_gra
     return x.new_empty((x.shape[0], shape[0]))
 
 
-def _save_for_grad(ctx, data, scales, global_scale, row_scales, meta) -> None:
-    """Keep what the input gradient needs (shared by the custom op and the eager path).
-
-    ``row_scales``: the recast weight's row scales when the forward recast it (eager path), else None;
-    ``meta``: (fmt, shape, block_size, fp8_grad, fp8_compute).
-    """
-    ctx.save_for_backward(data, scales, global_scale, row_scales)
-    ctx.meta = meta
-
-
-def _input_grad_only(ctx, grad, grad_fn):
-    """The backward of ``linear``'s 10 inputs: ``grad_fn`` gives ``x``'s gradient, the rest get none."""
-    data, scales, global_scale, row_scales = ctx.saved_tensors
-    gx = None
-    if ctx.needs_input_grad[0]:
-        gx = grad_fn(grad, data, scales, global_scale, row_scales, *ctx.meta)  # [T, K]
-    return gx, None, None, None, None, None, None, None, None, None
-
-
-def _grad_ops(grad, data, scales, global_scale, row_scales, fmt, shape, block_size, fp8_grad, fp8_compute):
+def _grad_ops(grad, data, scales, global_scale, fmt, shape, block_size, fp8_grad, fp8_compute):
     # through the registered ops, so torch.compile traces them
     if fp8_grad and uses_scaled_mm(grad, fmt, shape):
         return fp8_grad_input(grad.contiguous(), data, scales)  # [T, K]
@@ -95,13 +76,14 @@ def _grad_ops(grad, data, scales, global_scale, row_scales, fmt, shape, block_si
 
 def _linear_setup(ctx, inputs, output):
     _, data, scales, global_scale, fmt, shape, block_size, _, fp8_grad, fp8_compute = inputs
-    _save_for_grad(
-        ctx, data, scales, global_scale, None, (fmt, list(shape), block_size, fp8_grad, fp8_compute)
-    )
+    ctx.save_for_backward(data, scales, global_scale)
+    ctx.meta = (fmt, list(shape), block_size, fp8_grad, fp8_compute)
 
 
 def _linear_backward(ctx, grad):
-    return _input_grad_only(ctx, grad, _grad_ops)
+    """The gradient of ``x``; the other nine inputs get none."""
+    gx = _grad_ops(grad, *ctx.saved_tensors, *ctx.meta) if ctx.needs_input_grad[0] else None  # [T, K]
+    return gx, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_context=_linear_setup)
@@ -109,63 +91,75 @@ torch.library.register_autograd("tidal_quant::linear", _linear_backward, setup_c
 
 # ------------------------------------------------------------------------------- eager fast path
 # See [Note: eager path] in tidal_quant.ops: outside torch.compile one autograd.Function calls the
-# per-device implementations of the ops above.
-def _forward_impl(x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_compute):
+# per-device implementations of the ops above, with what a weight's calls share worked out once (LinearPlan).
+class LinearPlan:
+    """One quantized weight's eager calls, worked out once: the op arguments, the compute-path options and,
+    on CUDA, one dequantize launch per activation dtype (:class:`tidal_quant._triton.DequantLaunch`).
+
+    ``QuantLinear`` keeps one per set of buffers and options; the functional ``quant_linear`` makes one per
+    call. It holds the weight's own tensors (no copy), so it lives no longer than they would.
+    """
+
+    __slots__ = ("_launches", "args", "fp8_compute", "fp8_grad", "n_outliers")
+
+    def __init__(self, args: tuple, n_outliers: int, fp8_grad: bool, fp8_compute: bool) -> None:
+        self.args = args  # (data, scales, global_scale, fmt, shape, block_size) as the custom ops take them
+        self.n_outliers, self.fp8_grad, self.fp8_compute = n_outliers, fp8_grad, fp8_compute
+        self._launches: dict[torch.dtype, object] = {}  # CUDA: activation dtype → its dequantize launch
+
+    def dequant(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight ``[N, K]`` in ``dtype`` (allocated per call)."""
+        if self.args[0].device.type != "cuda":
+            return dequant_eager(*self.args, dtype)
+        launch = self._launches.get(dtype)
+        if launch is None:
+            launch = self._launches[dtype] = dequant_launch(*self.args, dtype)
+        return launch()
+
+
+def _forward_impl(x: torch.Tensor, plan: LinearPlan):
     """``(y, row scales)``: the ``[2, N]`` row scales and inverses of the recast weight when ``fp8_compute``
     recast it, else None."""
+    data, scales, global_scale, fmt, shape, block_size = plan.args
     if uses_scaled_mm(x, fmt, shape):
-        return fp8_linear_cuda(x.contiguous(), data, scales, n_outliers), None
-    if fp8_compute and uses_recast(x, fmt, shape, block_size):
+        return fp8_linear_cuda(x.contiguous(), data, scales, plan.n_outliers), None
+    if plan.fp8_compute and uses_recast(x, fmt, shape, block_size):
         codes, row_scales = recast_cuda(data, scales, global_scale, fmt, shape, block_size)  # [N, K], [2, N]
         return fp8_linear_cuda(x.contiguous(), codes, row_scales[0], 0), row_scales
-    return qmatmul_eager(x, data, scales, global_scale, fmt, shape, block_size), None
+    return qmatmul_eager(x, *plan.args, weight=plan.dequant), None
 
 
-def _grad_impl(grad, data, scales, global_scale, row_scales, fmt, shape, block_size, fp8_grad, fp8_compute):
-    if fp8_grad and uses_scaled_mm(grad, fmt, shape):
+def _grad_impl(grad: torch.Tensor, plan: LinearPlan, row_scales: torch.Tensor | None) -> torch.Tensor:
+    data, scales, global_scale, fmt, shape, block_size = plan.args
+    if plan.fp8_grad and uses_scaled_mm(grad, fmt, shape):
         return fp8_grad_cuda(grad.contiguous(), data, scales)  # [T, K]
     if row_scales is not None:  # the forward recast the weight: the gradient multiplies its transpose
         codes_t = recast_t_cuda(data, scales, global_scale, row_scales, fmt, shape, block_size)  # [K, N]
         return fp8_grad_cols_cuda(grad.contiguous(), as_f8(codes_t).t(), row_scales[0])  # [T, K]
-    w = dequant_eager(data, scales, global_scale, fmt, shape, block_size, grad.dtype)  # [N, K]
-    return grad @ w  # [T, K]
+    return grad @ plan.dequant(grad.dtype)  # [T, N] @ [N, K]
 
 
 class _EagerLinear(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_grad, fp8_compute
-    ):
-        y, row_scales = _forward_impl(
-            x, data, scales, global_scale, fmt, shape, block_size, n_outliers, fp8_compute
-        )
-        _save_for_grad(
-            ctx, data, scales, global_scale, row_scales, (fmt, shape, block_size, fp8_grad, fp8_compute)
-        )
+    def forward(ctx, x, plan):
+        y, row_scales = _forward_impl(x, plan)
+        # saved (not just held by the plan) so that autograd refuses a weight changed in place before backward
+        ctx.save_for_backward(*plan.args[:3], row_scales)
+        ctx.plan = plan
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        return _input_grad_only(ctx, grad, _grad_impl)
+        row_scales = ctx.saved_tensors[3]
+        gx = _grad_impl(grad, ctx.plan, row_scales) if ctx.needs_input_grad[0] else None
+        return gx, None
 
 
-def linear_fast(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    fmt: str,
-    shape: Sequence[int],
-    block_size: int,
-    n_outliers: int,
-    fp8_grad: bool,
-    fp8_compute: bool,
-) -> torch.Tensor:
+def linear_fast(x: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
     """:func:`linear` with the least host overhead: the custom op under torch.compile, else one
     autograd.Function over the same implementations (see [Note: eager path] in :mod:`tidal_quant.ops`)."""
-    args = (x, data, scales, global_scale, fmt, shape, block_size, n_outliers)
     if torch.compiler.is_compiling():
-        return linear(*args, fp8_grad, fp8_compute)
+        return linear(x, *plan.args, plan.n_outliers, plan.fp8_grad, plan.fp8_compute)
     if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate: skip autograd
-        return _forward_impl(*args, fp8_compute)[0]
-    return _EagerLinear.apply(*args, fp8_grad, fp8_compute)
+        return _forward_impl(x, plan)[0]
+    return _EagerLinear.apply(x, plan)

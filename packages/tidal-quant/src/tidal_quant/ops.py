@@ -272,7 +272,9 @@ def choose_kernel(
     return best[0], best[1]
 
 
-def _qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size):
+def qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size, weight=None):
+    """:func:`qmatmul` on CUDA. ``weight(dtype)``, when given, makes the dense weight for the dequantize +
+    cuBLAS path (a plan's cached launch, :class:`tidal_quant.linear_ops.LinearPlan`); else it is dequantized."""
     shp = (shape[0], shape[1])
     if fmt == "nvfp4" and capability(x.device) >= (10, 0):
         _log.record(
@@ -289,8 +291,15 @@ def _qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size):
             _FMT_ID[fmt], x.contiguous(), data, scales, global_scale, shp, block_size, cfg
         )
     _log.record_path("dequant_matmul")
-    w = _tr().dequantize(_DEQ_ID[fmt], data, scales, global_scale, shp, block_size, x.dtype)  # [N, K]
+    if weight is None:
+        w = _tr().dequantize(_DEQ_ID[fmt], data, scales, global_scale, shp, block_size, x.dtype)  # [N, K]
+    else:
+        w = weight(x.dtype)  # [N, K]
     return x @ w.t()
+
+
+def _qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size):
+    return qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size)
 
 
 qmatmul.register_kernel("cuda")(_qmatmul_cuda)
@@ -327,7 +336,17 @@ def dequant_eager(data, scales, global_scale, fmt, shape, block_size, dtype):
     return fn(data, scales, global_scale, fmt, (shape[0], shape[1]), block_size, dtype)  # [N, K]
 
 
-def qmatmul_eager(x, data, scales, global_scale, fmt, shape, block_size):
-    """:func:`qmatmul` without the custom-op dispatch (see [Note: eager path])."""
-    fn = by_device(_qmatmul_cuda, _qmatmul_ref, x)
-    return fn(x, data, scales, global_scale, fmt, shape, block_size)
+def qmatmul_eager(x, data, scales, global_scale, fmt, shape, block_size, weight=None):
+    """:func:`qmatmul` without the custom-op dispatch (see [Note: eager path]); ``weight`` as
+    :func:`qmatmul_cuda`'s (CUDA only)."""
+    if x.device.type == "cuda":
+        return qmatmul_cuda(x, data, scales, global_scale, fmt, shape, block_size, weight)
+    return _qmatmul_ref(x, data, scales, global_scale, fmt, shape, block_size)
+
+
+def dequant_launch(data, scales, global_scale, fmt, shape, block_size, dtype):
+    """A reusable dequantize of one CUDA weight to ``dtype`` (:class:`tidal_quant._triton.DequantLaunch`):
+    each call allocates and fills a new ``[N, K]`` tensor."""
+    return _tr().dequant_launch(
+        _DEQ_ID[fmt], data, scales, global_scale, (shape[0], shape[1]), block_size, dtype
+    )

@@ -433,33 +433,6 @@ def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype, c
     return _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, dtype, config, None)()
 
 
-def recast_e4m3(
-    fmt_id: int,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    shape: tuple[int, int],
-    block_size: int,
-    inv_row_scales: torch.Tensor,
-    config: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """e4m3 codes ``[N, K]`` of an int8 / NF4 / NVFP4 weight at per-row scales given as their inverses (fp32
-    ``[N]``): the dequantize kernels with e4m3 output, one byte per weight written (``K % 8 == 0``; ``config``
-    as 4-bit dequantize's)."""
-    launch = dequant_launch(
-        fmt_id,
-        data,
-        scales,
-        global_scale,
-        shape,
-        block_size,
-        None,
-        inv_row_scales=inv_row_scales,
-        config=config,
-    )
-    return launch()
-
-
 def dequantize(
     fmt_id: int,
     data: torch.Tensor,

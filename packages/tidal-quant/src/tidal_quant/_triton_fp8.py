@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, recast_e4m3
+from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, dequant_launch
 from tidal_quant.reference import CODE_MAX
 
 
@@ -191,7 +191,10 @@ def recast_rows(
     """
     rs = row_scales(fmt, scales, global_scale, shape, block_size)
     sc, _ = _operands(fmt, scales, global_scale)
-    return recast_e4m3(_FMT[fmt], data, sc, global_scale, shape, block_size, rs[1], config), rs
+    recast = dequant_launch(
+        _FMT[fmt], data, sc, global_scale, shape, block_size, None, inv_row_scales=rs[1], config=config
+    )
+    return recast(), rs
 
 
 def recast_cols(
@@ -207,5 +210,7 @@ def recast_cols(
     the row-major recast, then a tiled byte transpose (on the H200 that took 86-96 µs at 13824x5120 against
     200-222 µs for one kernel decoding tiles and storing them transposed)."""
     sc, _ = _operands(fmt, scales, global_scale)
-    codes = recast_e4m3(_FMT[fmt], data, sc, global_scale, shape, block_size, inv_row_scales)  # [N, K]
-    return transpose_bytes(codes)
+    recast = dequant_launch(
+        _FMT[fmt], data, sc, global_scale, shape, block_size, None, inv_row_scales=inv_row_scales
+    )
+    return transpose_bytes(recast())  # [N, K] codes, transposed

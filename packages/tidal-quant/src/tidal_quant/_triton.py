@@ -433,17 +433,9 @@ def _dequant_4bit(nvfp4, data, scales, global_scale, shape, block_size, dtype, c
     return _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, dtype, config, None)()
 
 
-def dequantize(
-    fmt_id: int,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    shape: tuple[int, int],
-    block_size: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Dequantize int8 / NF4 / NVFP4 / FP8 ``data`` (fp8 and e4m3 scales as uint8 views) to ``dtype``."""
-    return dequant_launch(fmt_id, data, scales, global_scale, shape, block_size, dtype)()
+def dequantize(*args) -> torch.Tensor:
+    """Dequantize once: ``dequant_launch(fmt_id, data, scales, global_scale, shape, block_size, dtype)()``."""
+    return dequant_launch(*args)()
 
 
 @triton.jit

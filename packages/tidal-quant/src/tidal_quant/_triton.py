@@ -318,7 +318,7 @@ class DequantLaunch:
     Calling it allocates the output and launches the kernel. A layer keeps one per activation dtype
     (:class:`tidal_quant.linear_ops.LinearPlan`), so its eager calls skip the argument arithmetic; on the
     H200 machine that took a dequantize from 32 to about 21 µs of host time, of which the launch itself is
-    about 19 (benchmarks/results/quant-fwd-parts-h200-2026-11-30.txt).
+    about 19 (benchmarks/results/quant-host-parts-base-h200-2026-11-30.txt, quant-fwd-parts-h200-2026-11-30.txt).
     """
 
     __slots__ = (

@@ -6,8 +6,8 @@
 
 Engines, each in its own process, in this order (the slow one last): ``dynamic`` (transformers'
 DynamicCache, every layer's K/V in VRAM), ``tidal`` (TidalCache, half the layers' K/V in pinned host pages,
-prefetched into two device slots while earlier layers compute), optionally ``tidal-fp8`` (the same with
-e4m3 host pages) and ``tidal-resident`` (TidalCache with every layer resident: its own cost without any
+prefetched into two device slots while earlier layers compute), optionally ``tidal-fp8`` / ``tidal-nf4`` (the same with
+e4m3 / NF4 host pages) and ``tidal-resident`` (TidalCache with every layer resident: its own cost without any
 copy, to split tidal's gap to DynamicCache into the cache's host time and the offloaded layers'), and ``offloaded`` (transformers' DynamicCache(offloading=True): every layer's K/V on
 the host, one layer prefetched ahead). The shape is the harness scenario ``decode8b`` (Llama-3-8B, sdpa).
 Each process builds the random bf16 weights on the GPU once (16 GB) and runs the four (context, batch)
@@ -50,18 +50,26 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from decode_worker import PREFIX, SDPA_BACKENDS, GiB, Shape, cases, estimate  # noqa: E402
+from decode_worker import PAGE_BYTES, PREFIX, SDPA_BACKENDS, GiB, Shape, cases, estimate  # noqa: E402
 
 ENGINES = (
     "dynamic",
     "tidal",
     "tidal-fp8",
+    "tidal-nf4",
     "tidal-resident",
     "offloaded",
 )  # run order: the slow offloaded cache last
 DEFAULT_ENGINES = ("dynamic", "tidal", "offloaded")
 #: seconds kept back for each later engine when giving an engine its deadline
-RESERVE_S = {"dynamic": 35.0, "tidal": 60.0, "tidal-fp8": 45.0, "tidal-resident": 35.0, "offloaded": 75.0}
+RESERVE_S = {
+    "dynamic": 35.0,
+    "tidal": 60.0,
+    "tidal-fp8": 45.0,
+    "tidal-nf4": 40.0,
+    "tidal-resident": 35.0,
+    "offloaded": 75.0,
+}
 _GRACE_S = 15.0  # past an engine's deadline before its process is killed (its own limits come first)
 
 
@@ -71,9 +79,10 @@ def model_config(smoke: bool) -> Any:
 
     if smoke:
         cfg = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096,
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096,
         )  # fmt: skip
+        # head_dim 32 (above): whole NF4 blocks per row for the tidal-nf4 engine
         cfg._attn_implementation = "sdpa"
         return cfg
     from engines.scenarios import get_scenario, hf_config
@@ -197,9 +206,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, shape: Shape) ->
         x_dyn = tps / dyn["tokens_per_s"] if tps and dyn and r["engine"] != "dynamic" else None
         x_off = tps / off["tokens_per_s"] if tps and off and r["engine"] != "offloaded" else None
         floor = None
-        if r["engine"] in ("tidal", "tidal-fp8"):
+        if r["engine"] in PAGE_BYTES:
             e = estimate(shape, r["batch"], r["context"], shape.layers // 2, args.slots, args.page_tokens)
-            floor = e["pcie_floor_ms"] / (2 if r["engine"] == "tidal-fp8" else 1)
+            floor = e["pcie_floor_ms"] * PAGE_BYTES[r["engine"]]
         lines.append(
             f"| {r['engine']} | {r['context']} | {r['batch']} | {r['status']} | {_fmt(tps, '.1f')} | "
             f"{_fmt(r.get('ms_per_step'), '.1f')} | {_fmt(x_dyn)} | {_fmt(x_off)} | {_fmt(floor, '.1f')} | "

@@ -108,9 +108,15 @@ ENGINE_VRAM = {
     "dynamic": "dynamic_vram",
     "tidal": "tidal_vram",
     "tidal-fp8": "tidal_vram",
+    "tidal-nf4": "tidal_vram",
     "tidal-resident": "dynamic_vram",
     "offloaded": "offloaded_vram",
 }
+
+
+STORAGE = {"tidal-fp8": "fp8", "tidal-nf4": "nf4"}  # TidalCache engines with quantized host pages
+# their host pages' bytes per bf16 byte at head_dim 128: e4m3 + a fp32 scale per row; NF4 + 4 fp32 scales
+PAGE_BYTES = {"tidal": 1.0, "tidal-fp8": 132 / 256, "tidal-nf4": 80 / 256}
 
 
 def cases(contexts: list[int], batches: list[int]) -> list[tuple[int, int]]:
@@ -177,7 +183,7 @@ def make_cache(engine: str, model: Any, max_tokens: int, page_tokens: int, slots
         max_tokens,
         resident_layers=n if engine == "tidal-resident" else n // 2,
         page_tokens=page_tokens,
-        storage="fp8" if engine == "tidal-fp8" else "native",
+        storage=STORAGE.get(engine, "native"),
         prefetch_slots=slots,
     )
 

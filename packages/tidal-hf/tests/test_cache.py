@@ -26,13 +26,13 @@ def _few_threads():
         yield
 
 
-def _model(kind: str, device: str):
+def _model(kind: str, device: str, **overrides):
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**_COMMON)
+        cfg = transformers.LlamaConfig(**{**_COMMON, **overrides})
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.Qwen2Config(**_COMMON)
+        cfg = transformers.Qwen2Config(**{**_COMMON, **overrides})
         model = transformers.Qwen2ForCausalLM(cfg)
     # larger init than the default 0.02 so the logits are far from ties and the tokens vary
     with torch.no_grad():
@@ -117,13 +117,21 @@ def test_reset_and_reuse_for_a_second_generate():
     assert torch.equal(out, _generate(model, b, transformers.DynamicCache(), new=32))
 
 
-def test_fp8_storage_generates():
-    model = _model("llama", "cpu")
+@pytest.mark.parametrize("storage", ["fp8", "nf4"])
+def test_quantized_storage_generates(storage):
+    # head_dim 32: whole NF4 blocks per row
+    model = _model("llama", "cpu", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
     ids = _prompt(1, 20, "cpu")
-    cache = TidalCache(model, 64, resident_layers=3, page_tokens=8, storage="fp8")
+    cache = TidalCache(model, 64, resident_layers=3, page_tokens=8, storage=storage)
     out = _generate(model, ids, cache, new=16)
     assert out.shape == (1, 36)
-    assert cache.stats.d2h_bytes > 0
+    assert cache.stats.d2h_bytes > 0 and cache.stats.pages_gathered > 0
+
+
+def test_nf4_storage_is_refused_for_a_head_dim_it_cannot_store():
+    model = _model("llama", "cpu")  # head_dim 8: NF4 pages need multiples of 32
+    with pytest.raises(KVConfigError, match='storage="nf4" is not accepted with head_dim=8'):
+        TidalCache(model, 64, resident_layers=3, storage="nf4")
 
 
 def test_legacy_indexing_returns_the_cached_tensors():

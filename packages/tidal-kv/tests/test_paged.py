@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
 from tidal_kv import transfers as transfers_mod
-from tidal_kv.storage import dequantize_fp8, quantize_fp8
+from tidal_kv.config import KVConfig
+from tidal_kv.storage import ChunkLayout, decode_pages, encode_pages
 from tidal_kv.streams import profiled
 from tidal_testing import assert_sqnr, devices
 
@@ -133,17 +134,21 @@ def test_out_of_order_updates_still_exact():
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("storage", ["native", "fp8"])
+@pytest.mark.parametrize("storage", ["native", "fp8", "nf4"])
 def test_decode_reuses_cached_gather_views_and_stays_exact(device, storage, monkeypatch):
     """Two-page chunks: gathers span several runs; the views of a gather are built once per page range.
 
-    Native pages are bit-exact; fp8 pages are exactly what quantize_fp8 + dequantize_fp8 make of each token
-    (the scales are per (token, head) row, so that does not depend on where the pages were cut), whichever
-    slot serves the layer and however many runs and chunks its gather took.
+    Native pages are bit-exact; quantized pages are exactly what encode_pages + decode_pages make of each
+    token (the scales cover parts of one (token, head) row, so that does not depend on where the pages were
+    cut), whichever slot serves the layer and however many runs and chunks its gather took.
     """
+    d = 32 if storage == "nf4" else 8  # nf4: whole 32-element blocks per row
     rows = 2 * 2 * 3 * 4  # (K/V, B, H, P) rows of one page
-    page_bytes = rows * 8 * 4 if storage == "native" else rows * 8 + rows * 4  # fp32, or e4m3 + fp32 scales
-    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * page_bytes)
+    # page bytes: fp32; e4m3 + one fp32 scale per row; packed NF4 + one fp32 scale per 32-element row
+    by_storage = {"native": rows * d * 4, "fp8": rows * d + rows * 4, "nf4": rows * d // 2 + rows * 4}
+    page = ChunkLayout(1, 2, 3, 4, d, torch.float32, storage)
+    assert page.data_bytes + page.scale_bytes == by_storage[storage]
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 2 * by_storage[storage])
     cache = PagedKVCache(6, 24, resident_layers=2, page_tokens=4, prefetch_slots=2, storage=storage)
     g = torch.Generator().manual_seed(4)
     ref: dict[int, torch.Tensor] = {}
@@ -152,12 +157,12 @@ def test_decode_reuses_cached_gather_views_and_stays_exact(device, storage, monk
         if storage == "native":
             return kv
         full = kv.shape[3] // 4 * 4
-        paged = dequantize_fp8(*quantize_fp8(kv[:, :, :, :full]), kv.dtype)
+        paged = decode_pages(*encode_pages(kv[:, :, :, :full], storage), storage, kv.dtype)
         return torch.cat([paged, kv[:, :, :, full:]], dim=3)
 
     def step(n: int) -> None:  # n new tokens through every layer, checked against torch.cat
         for layer in range(6):
-            kv = torch.randn(2, 2, 3, n, 8, generator=g).to(device)  # [2, B, H, n, D]
+            kv = torch.randn(2, 2, 3, n, d, generator=g).to(device)  # [2, B, H, n, D]
             ref[layer] = kv if layer not in ref else torch.cat([ref[layer], kv], dim=3)
             keys, values = cache.update(layer, kv[0], kv[1])
             want = expected(ref[layer]) if layer in cache.offloaded_layers else ref[layer]
@@ -233,28 +238,31 @@ def test_decode_step_issues_one_record_and_one_wait_per_stream_per_offloaded_lay
 
 
 @pytest.mark.parametrize("device", devices())
-def test_fp8_storage_is_close(device):
-    cache = PagedKVCache(2, 32, resident_layers=0, page_tokens=4, storage="fp8")
+@pytest.mark.parametrize(("storage", "min_db", "row_bytes"), [("fp8", 25.0, 32 + 4), ("nf4", 19.0, 16 + 4)])
+def test_quantized_storage_is_close(device, storage, min_db, row_bytes):
+    """Full pages go through the format (e4m3: ~32 dB on normal data; NF4, 4 bits: ~21 dB), the tail does not;
+    a page reads the same whether its layer's slot was kept or refilled from the host."""
+    cache = PagedKVCache(2, 32, resident_layers=0, page_tokens=4, storage=storage)
     g = torch.Generator().manual_seed(0)
-    k0 = torch.randn(1, 2, 18, 16, generator=g).to(device, torch.bfloat16)
+    k0 = torch.randn(1, 2, 18, 32, generator=g).to(device, torch.bfloat16)
     cache.update(0, k0, -k0)
     cache.update(1, k0, k0)
-    k1 = torch.randn(1, 2, 1, 16, generator=g).to(device, torch.bfloat16)
+    k1 = torch.randn(1, 2, 1, 32, generator=g).to(device, torch.bfloat16)
     keys, values = cache.update(0, k1, -k1)
     ref = torch.cat([k0, k1], dim=2)
     assert torch.equal(keys[:, :, 16:], ref[:, :, 16:])  # the device tail is exact
-    assert not torch.equal(keys[:, :, :16], ref[:, :, :16])  # full pages went through e4m3
+    assert not torch.equal(keys[:, :, :16], ref[:, :, :16])  # full pages went through the format
     # the same values whether the layer's slot was kept or refilled from the host
-    again = PagedKVCache(3, 32, resident_layers=0, page_tokens=4, storage="fp8", prefetch_slots=2)
+    again = PagedKVCache(3, 32, resident_layers=0, page_tokens=4, storage=storage, prefetch_slots=2)
     for layer in (0, 1, 2):
         again.update(layer, k0, -k0)
     k_refilled, _ = again.update(0, k1, -k1)  # layer 0's slot went to layer 2: refilled from the host
     assert again.stats.pages_gathered > 0
     assert torch.equal(k_refilled, keys)
-    assert_sqnr(keys.float().cpu(), ref.float().cpu(), 25.0)
-    assert_sqnr(values.float().cpu(), -ref.float().cpu(), 25.0)
-    native = 2 * 1 * 2 * 4 * 16 * 2
-    assert cache.stats.d2h_bytes == 2 * 4 * (native // 2 + 2 * 1 * 2 * 4 * 4)
+    assert_sqnr(keys.float().cpu(), ref.float().cpu(), min_db)
+    assert_sqnr(values.float().cpu(), -ref.float().cpu(), min_db)
+    rows = 2 * 1 * 2 * 4  # (K/V, B, H, P) rows of a page; 32-element rows: e4m3 32 B or NF4 16 B, + scales
+    assert cache.stats.d2h_bytes == 2 * 4 * rows * row_bytes
 
 
 @pytest.mark.parametrize(
@@ -281,6 +289,16 @@ def test_bad_arguments(kwargs, match):
     args = {"num_layers": 4, "max_tokens": 16, **kwargs}
     with pytest.raises(KVConfigError, match=match):
         PagedKVCache(args.pop("num_layers"), args.pop("max_tokens"), **args)
+
+
+def test_nf4_pages_need_whole_blocks_per_head_row():
+    match = 'storage="nf4" is not accepted with head_dim=48'
+    with pytest.raises(KVConfigError, match=match):
+        KVConfig(num_layers=4, max_tokens=32, head_dim=48, storage="nf4")
+    cache = PagedKVCache(4, 32, resident_layers=2, storage="nf4")
+    with pytest.raises(KVConfigError, match=match):  # told by the first update when not configured
+        cache.update(0, torch.randn(1, 2, 3, 48), torch.randn(1, 2, 3, 48))
+    KVConfig(num_layers=4, max_tokens=32, head_dim=96, storage="nf4")  # three blocks per row
 
 
 def test_bad_updates():
@@ -337,6 +355,14 @@ def test_memory_report_accounts_for_every_buffer():
             fp8.update(layer, torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
     fp8_chunk = 4 * 2 * 1 * 2 * 8 * (4 * 1 + 4)
     assert fp8.memory()["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + 2 * fp8_chunk
+    # nf4 (head_dim 32): 16 packed bytes + one fp32 scale per row; fp32 K/V, 8x the bytes per element above
+    nf4 = PagedKVCache(6, 32, resident_layers=2, page_tokens=8, storage="nf4")
+    for n in (17, 1):
+        for layer in range(6):
+            nf4.update(layer, torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32))
+    nf4_chunk = 4 * 2 * 1 * 2 * 8 * (16 + 4)  # staged both ways, like fp8's
+    assert nf4.memory()["device_bytes"] == 8 * (2 * per_layer + 2 * per_layer + tails) + 2 * nf4_chunk
+    assert nf4.memory()["host_bytes"] == 4 * nf4_chunk
     assert mem["host_bytes"] == 4 * per_layer
     assert mem["host_pages"] == 4 * 2
     assert mem["all_resident_device_bytes"] == 6 * per_layer
@@ -384,14 +410,14 @@ def test_profiler_ranges_appear_only_while_profiling():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("storage", ["native", "fp8"])
+@pytest.mark.parametrize("storage", ["native", "fp8", "nf4"])
 def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, storage):
-    """Native pages land in the slot in one strided copy; fp8 pages dequantize from staging in place."""
+    """Native pages land in the slot in one strided copy; quantized pages dequantize from staging in place."""
     cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, device="cuda", storage=storage)
-    k0 = torch.randn(2, 2, 70, 16, device="cuda")
+    k0 = torch.randn(2, 2, 70, 32, device="cuda")
     for layer in range(6):
         cache.update(layer, k0, k0)
-    one = torch.randn(2, 2, 1, 16, device="cuda")
+    one = torch.randn(2, 2, 1, 32, device="cuda")
     for layer in range(6):  # one step so every slot and event exists
         cache.update(layer, one, one)
     torch.cuda.synchronize()
@@ -406,15 +432,19 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, st
     after = (torch.cuda.memory_allocated(), cache.memory()["host_bytes"], cache.stats.gathered_on_demand)
     assert before == after
     assert made == []
-    ref = torch.cat([k0, one.expand(2, 2, 9, 16)], dim=2)
-    exact = 0 if storage == "native" else 64  # fp8: the first page went through e4m3, the tail did not
+    ref = torch.cat([k0, one.expand(2, 2, 9, 32)], dim=2)
+    exact = 0 if storage == "native" else 64  # the first page went through the format, the tail did not
     for layer in range(6):
         k, v = cache.gather(layer)
         assert torch.equal(k[:, :, exact:], ref[:, :, exact:]) and torch.equal(
             v[:, :, exact:], ref[:, :, exact:]
         )
         if exact:
-            assert_sqnr(k[:, :, :exact].float().cpu(), ref[:, :, :exact].float().cpu(), 25.0)
+            assert_sqnr(
+                k[:, :, :exact].float().cpu(),
+                ref[:, :, :exact].float().cpu(),
+                {"fp8": 25.0, "nf4": 19.0}[storage],
+            )
 
 
 def test_kv_that_require_grad_are_refused_in_grad_mode():

@@ -25,10 +25,10 @@ def test_fp8_round_trip_per_token_and_head():
 
 def test_host_pool_chunks_from_the_arena():
     pool = HostPagePool(pin=False)
-    size = HostPagePool.chunk_bytes(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16, fp8=False))
+    size = HostPagePool.chunk_bytes(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16))
     pool.reserve(2 * size)
-    a = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16, fp8=False))
-    b = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.float16, fp8=True))
+    a = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.bfloat16))
+    b = pool.chunk(ChunkLayout(3, 1, 2, 4, 8, torch.float16, "fp8"))
     # laid out like the device K/V, [2, B, H, C·P, D]: a page run is evenly spaced rows on both sides
     assert a.data.shape == (2, 1, 2, 3 * 4, 8) and a.scale is None
     assert b.data.dtype == FP8_DTYPE and b.scale.shape == (2, 1, 2, 3 * 4, 1)

@@ -318,11 +318,12 @@ _HOPPER_PTX = textwrap.dedent(
         return k.asm["ptx"], k.metadata.shared
 
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i32",
-           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "GB": "constexpr",
-           "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
+           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "INNER": "i32", "OSTRIDE": "i32",
+           "GB": "constexpr", "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr",
+           "WIDE": "constexpr", "ROWS": "constexpr"}
     per_program, warps = T.DEQUANT_4BIT_CONFIG
-    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False}
-    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K"}, warps)
+    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 0, "EVEN": True, "WIDE": False, "ROWS": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K", "INNER", "OSTRIDE"}, warps)
     # nf4 -> bf16 at the default launch config: each thread's 4-byte code groups become 16-byte stores of
     # four output words, rounded to nearest even, with no shared-memory shuffle between the two tiles
     stores = per_program // 4 // (32 * warps)
@@ -335,10 +336,11 @@ _HOPPER_PTX = textwrap.dedent(
     assert len(re.findall(r"st\\.global\\.v4\\.b32", p)) == 4 and shared == 0, shared  # int8 -> bf16 likewise
     # nf4 -> e4m3 pairs (fp8_compute): the same flat layout, 8-byte stores of four 16-bit words, no shuffle
     sig = {"d_ptr": "*u8", "s_ptr": "*fp32", "g_ptr": "*fp32", "tab_ptr": "*fp32", "out_ptr": "*i16",
-           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "GB": "constexpr",
-           "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr", "WIDE": "constexpr"}
-    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 3, "EVEN": True, "WIDE": False}
-    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K"}, warps)
+           "n_bytes": "i32", "nblocks": "i32", "inv_ptr": "*fp32", "K": "i32", "INNER": "i32", "OSTRIDE": "i32",
+           "GB": "constexpr", "NG": "constexpr", "NVFP4": "constexpr", "OUT": "constexpr", "EVEN": "constexpr",
+           "WIDE": "constexpr", "ROWS": "constexpr"}
+    consts = {"GB": 32, "NG": per_program // 4, "NVFP4": False, "OUT": 3, "EVEN": True, "WIDE": False, "ROWS": False}
+    p, shared = ptx(T._dequant_4bit_kernel, sig, consts, {"n_bytes", "nblocks", "K", "INNER", "OSTRIDE"}, warps)
     assert "cvt.rn.satfinite.e4m3x2.f32" in p and shared == 0, shared
     assert re.findall(r"st\\.global\\.v2\\.b32", p) and not re.findall(r"st\\.global\\.b(8|16) ", p), "e4m3 stores"
     print("ok")

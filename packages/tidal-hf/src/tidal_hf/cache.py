@@ -153,7 +153,7 @@ class TidalCache(Cache):
         resident_layers: "auto", a count, or explicit layer indices kept in VRAM (see ``PagedKVCache``).
         page_tokens: Tokens per host page.
         vram_budget: Bytes of VRAM the cache may use for "auto" placement.
-        storage: Host page format, "native" (exact) or "fp8".
+        storage: Host page format: "native" (exact), "fp8" or "nf4" (lossy; see ``tidal_kv.KVConfig.storage``).
         vram_fraction: Fraction of free VRAM for "auto" placement when ``vram_budget`` is None.
         prefetch_slots: Device gather slots (2 or 3).
 

@@ -10,11 +10,12 @@ from typing import Literal
 import torch
 
 from tidal_kv.errors import KVCacheError, KVConfigError
+from tidal_kv.storage import NF4_BLOCK
 
-Storage = Literal["native", "fp8"]
+Storage = Literal["native", "fp8", "nf4"]
 ResidentSpec = Literal["auto"] | int | Sequence[int]
 
-_STORAGES = ("native", "fp8")
+_STORAGES = ("native", "fp8", "nf4")
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -52,8 +53,10 @@ class KVConfig:
     dtype: torch.dtype | None = None
     """Dtype of K/V (updates must match); default None = the first update's dtype."""
     storage: Storage = "native"
-    """Host-page format: "native" (the K/V dtype) or "fp8" (e4m3 with one fp32 scale per token and head,
-    half the host RAM and PCIe bytes of bf16, lossy); default "native". Resident layers are always native."""
+    """Host-page format: "native" (the K/V dtype), "fp8" (e4m3 with one fp32 scale per token and head,
+    0.52x the host RAM and PCIe bytes of bf16 at head_dim 128, lossy) or "nf4" (NF4 with one fp32 absmax per
+    32 elements, 0.31x, lossier; head_dim a multiple of 32); default "native". Resident layers and each
+    offloaded layer's partial page are always native."""
     device: torch.device | str | None = None
     """Device of the returned K/V; default None = the first update's device."""
     prefetch_slots: int = 2
@@ -82,8 +85,10 @@ class KVConfig:
         if self.storage not in _STORAGES:
             raise KVConfigError(
                 f"storage={self.storage!r} is not accepted: expected one of {_STORAGES}; "
-                'pass storage="native" (exact) or storage="fp8" (half the host bytes).'
+                'pass storage="native" (exact), "fp8" (about half the host bytes) or "nf4" (about a quarter).'
             )
+        if self.head_dim is not None:
+            check_head_dim(self.storage, self.head_dim)
         if self.dtype is not None and (
             not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point
         ):
@@ -180,6 +185,19 @@ class KVConfig:
                 f"resident_layers={list(spec)} is not accepted: indices must be distinct and in "
                 f"[0, {self.num_layers}) (got out-of-range or repeated {bad or sorted(spec)})."
             )
+
+
+def check_head_dim(storage: str, head_dim: int) -> None:
+    """Refuse a head dim the page format cannot store ("nf4" scales whole blocks of a head's row).
+
+    Raises:
+        KVConfigError: naming the storage, the head dim and what would work.
+    """
+    if storage == "nf4" and head_dim % NF4_BLOCK:
+        raise KVConfigError(
+            f'storage="nf4" is not accepted with head_dim={head_dim}: NF4 pages need a head_dim that is a '
+            f'multiple of {NF4_BLOCK} (one scale per {NF4_BLOCK} elements); pass storage="fp8" or "native".'
+        )
 
 
 def same_layout(

@@ -16,11 +16,19 @@ from typing import Any
 
 import torch
 
-from tidal_kv.config import KVConfig, LayerBytes, ResidentSpec, Storage, place_layers, same_layout
+from tidal_kv.config import (
+    KVConfig,
+    LayerBytes,
+    ResidentSpec,
+    Storage,
+    check_head_dim,
+    place_layers,
+    same_layout,
+)
 from tidal_kv.errors import KVConfigError
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
-from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, dequantize_fp8, device_chunk
+from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
 from tidal_kv.streams import CurrentStream, ranged, record, wait
 from tidal_kv.transfers import PageTransfers
 from tidal_kv.views import KVRange, TailPage
@@ -44,7 +52,7 @@ class PagedKVCache(PageTransfers):
         vram_budget: Bytes of VRAM for "auto" placement (None: ``vram_fraction`` of free VRAM).
         vram_fraction: Fraction of free VRAM for "auto" placement when ``vram_budget`` is None.
         dtype: K/V dtype (None: the first update's).
-        storage: Host page format, "native" or "fp8".
+        storage: Host page format, "native", "fp8" or "nf4" (see :attr:`KVConfig.storage`).
         device: Device (None: the first update's).
         prefetch_slots: Device gather slots for offloaded layers (2 or 3).
 
@@ -277,8 +285,8 @@ class PagedKVCache(PageTransfers):
             chunk, i = divmod(page, cp)
             src = self._host[layer][chunk].tokens(i * p, (i + 1) * p)
             kv = src.data.to(self._device)  # [2, B, H, P, D]
-            if self._fp8:
-                kv = dequantize_fp8(kv, src.scale.to(self._device), self._dtype)
+            if src.scale is not None:
+                kv = decode_pages(kv, src.scale.to(self._device), self._storage, self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
         out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
         return out[0], out[1]
@@ -389,16 +397,15 @@ class PagedKVCache(PageTransfers):
         """(page bytes in storage format, device bytes per token per layer K+V, element size)."""
         b, h, d = self._shape
         elt = self._dtype.itemsize
-        page_store = 2 * b * h * self.config.page_tokens * d * (1 if self._fp8 else elt)
-        if self._fp8:
-            page_store += 2 * b * h * self.config.page_tokens * 4
-        return page_store, 2 * b * h * d * elt, elt
+        page = ChunkLayout(1, b, h, self.config.page_tokens, d, self._dtype, self._storage)
+        return page.data_bytes + page.scale_bytes, 2 * b * h * d * elt, elt
 
     def _materialize(self, k: torch.Tensor) -> None:
         c = self.config
         self._shape = (k.shape[0], k.shape[1], k.shape[3])
         self._dtype, self._device = k.dtype, k.device
-        self._fp8 = c.storage == "fp8"
+        self._storage = c.storage
+        check_head_dim(c.storage, self._shape[2])
         self._cuda = self._device.type == "cuda"
         p = c.page_tokens
         self._capacity = -(-c.max_tokens // p) * p  # whole pages
@@ -421,7 +428,7 @@ class PagedKVCache(PageTransfers):
         self._pool = HostPagePool(pin=self._cuda)
         for ev in self._pool.events:
             self.stats.events.append(ev)
-        self._chunk_layout = ChunkLayout(self._chunk_pages, b, h, p, d, self._dtype, self._fp8)
+        self._chunk_layout = ChunkLayout(self._chunk_pages, b, h, p, d, self._dtype, self._storage)
         per_chunk = HostPagePool.chunk_bytes(self._chunk_layout)
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
@@ -436,8 +443,9 @@ class PagedKVCache(PageTransfers):
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
         ) // self._chunk_pages
-        # fp8 pages are dequantized on the device from a staging chunk; native pages need none
-        self._h2d_stage = device_chunk(self._chunk_layout, self._device) if self._fp8 else None
+        # quantized pages are dequantized on the device from a staging chunk; native pages need none
+        quantized = self._chunk_layout.quantized
+        self._h2d_stage = device_chunk(self._chunk_layout, self._device) if quantized else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
     def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -2,12 +2,13 @@
 
 A decode step gathers every offloaded layer's full pages ``[0, pages)`` again, with the same tensors as the
 step before until a page fills. Building the views of such a gather (host chunk range, slot range, staging
-range for fp8) costs more host time than issuing its copy, so each slot keeps the views of its last gather
+range for quantized pages) costs more host time than issuing its copy, so each slot keeps the views of its last gather
 per layer (:class:`GatherRun`) and rebuilds them only when the page range changes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,12 +27,12 @@ class GatherRun(NamedTuple):
     """Pages in the run."""
     dst: torch.Tensor
     """``[2, B, H, m·P, D]`` the slot's token range of these pages."""
-    stage: PageChunk | None
-    """fp8 storage: ``[2, B, H, m·P, D]`` contiguous staging the host pages land in before they are
-    dequantized into ``dst``; None for native storage, whose pages land in ``dst`` directly."""
     copies: tuple[RowCopy, ...]
-    """The host-to-device copies of the run, checked once: the pages (into ``dst`` or ``stage``), then for
-    fp8 storage their scales."""
+    """The host-to-device copies of the run, checked once: the pages (into ``dst``, or for quantized storage
+    into a contiguous device staging), then for quantized storage their scales."""
+    decode: Callable[[], Any] | None
+    """Quantized storage: dequantizes the staged pages into ``dst`` (:meth:`PageChunk.decoder`); None for
+    native storage, whose pages land in ``dst`` directly."""
 
 
 @dataclass(eq=False)
@@ -89,7 +90,8 @@ class Slot:
             pages: One past the last page.
             chunks: The layer's host chunks, ``[2, B, H, C·P, D]`` each (only ever appended to).
             layout: Their layout (pages per chunk, tokens per page).
-            stage: fp8 storage: the device staging chunk the pages land in before dequantization; else None.
+            stage: quantized storage: the device staging chunk the pages land in before dequantization; else
+                None.
 
         Returns:
             The runs in page order; cached, so the same range returns the same views without rebuilding them.
@@ -107,11 +109,11 @@ class Slot:
             src = chunks[chunk].tokens(i0 * p, (i0 + m) * p)
             dst = self.kv[:, :, :, page * p : (page + m) * p]
             if stage is None:  # native pages: the host rows land straight in the slot's token range
-                runs.append(GatherRun(m, dst, None, (RowCopy(dst, src.data, 3),)))
+                runs.append(GatherRun(m, dst, (RowCopy(dst, src.data, 3),), None))
             else:
                 staged = stage.packed(m * p)
                 copies = (RowCopy(staged.data, src.data, 3), RowCopy(staged.scale, src.scale, 3))
-                runs.append(GatherRun(m, dst, staged, copies))
+                runs.append(GatherRun(m, dst, copies, staged.decoder(dst)))
             page += m
         self.plans[layer] = (key, runs)
         return runs

@@ -1,27 +1,35 @@
-"""Host page blocks (from the tidal-arena pinned arena) and the FP8 page format.
+"""Host page blocks (from the tidal-arena pinned arena) and the quantized page formats (FP8, NF4).
 
 A *chunk* is ``chunk_pages`` pages of one offloaded layer laid out like the device K/V,
 ``[2 (K/V), B, H, chunk_pages · page_tokens, D]``: any run of full pages inside a chunk is ``2·B·H`` evenly
 spaced rows on both sides, so it moves host<->device in one strided copy (:class:`tidal_arena.RowCopy`):
-native pages straight into a device slot's token range, fp8 pages into a staging chunk they are dequantized
-from; no permute on the device either way.
+native pages straight into a device slot's token range, quantized pages (and their scales, laid out the same
+way) into a staging chunk they are dequantized from, into the slot; no permute on the device either way.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tidal_arena import ArenaConfig, ArenaError, Block, PinnedArena
 from tidal_kv.errors import KVCacheError
+from tidal_quant import nf4_decode_rows, nf4_decode_rows_into, nf4_encode_rows
 
 logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _SCALE_FLOOR = 1e-12  # keeps an all-zero (token, head) row from dividing by zero
+NF4_BLOCK = 32
+"""Elements per fp32 absmax scale of "nf4" pages (four per 128-wide head row). Half bitsandbytes' weight
+block: K rows carry outlier channels, and on rows with a few channels 5-20x the rest, 32-element blocks
+kept 2 dB more signal than 64-element ones for 8 bytes more per row (80 against 72 of bf16's 256)."""
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,14 +53,39 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.float() * scale).to(dtype)
 
 
+def encode_pages(kv: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V ``[..., D]`` in a quantized page format: ``(data, scale)`` shaped like a chunk's fields.
+
+    "fp8": :func:`quantize_fp8`. "nf4": tidal-quant's NF4 codes (bitsandbytes' bytes: two per byte, the even
+    element in the high nibble) ``[..., D / 2]`` uint8 and one fp32 absmax per :data:`NF4_BLOCK` elements,
+    ``[..., D / NF4_BLOCK]``.
+    """
+    if storage == "fp8":
+        return quantize_fp8(kv)
+    return nf4_encode_rows(kv, NF4_BLOCK)
+
+
+def decode_pages(data: torch.Tensor, scale: torch.Tensor, storage: str, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`encode_pages`: a new ``[..., D]`` tensor of ``dtype``."""
+    if storage == "fp8":
+        return dequantize_fp8(data, scale, dtype)
+    return nf4_decode_rows(data, scale, NF4_BLOCK, dtype)
+
+
 @dataclass
 class PageChunk:
-    """One host (or device-staging) chunk: page data plus, for FP8, per-row scales."""
+    """One host (or device-staging) chunk: page data plus, for quantized formats, per-row scales."""
 
     data: torch.Tensor
-    """``[2, B, H, C·P, D]`` in the K/V dtype ("native") or float8_e4m3fn ("fp8")."""
+    """``[2, B, H, C·P, D]`` in the K/V dtype ("native") or float8_e4m3fn ("fp8"); ``[2, B, H, C·P, D / 2]``
+    packed uint8 ("nf4")."""
     scale: torch.Tensor | None
-    """``[2, B, H, C·P, 1]`` float32 for "fp8", else None."""
+    """float32 ``[2, B, H, C·P, 1]`` ("fp8") or ``[2, B, H, C·P, D / NF4_BLOCK]`` ("nf4"); None for "native"."""
+
+    @property
+    def storage(self) -> str:
+        """The page format, told by the data's dtype."""
+        return _STORAGE_OF.get(self.data.dtype, "native")
 
     def tokens(self, start: int, stop: int) -> PageChunk:
         """The token range ``[start, stop)`` of every (K/V, sequence, head) row: evenly spaced rows."""
@@ -62,23 +95,38 @@ class PageChunk:
     def store(self, kv: torch.Tensor) -> None:
         """Fill this (device staging) chunk from ``kv`` ``[2, B, H, T, D]`` of its shape, in its format.
 
-        For fp8 storage ``kv`` is then overwritten with what the stored pages dequantize to, so a slot holds
-        what a later gather of these pages returns, whichever slot serves the layer next.
+        For quantized storage ``kv`` is then overwritten with what the stored pages dequantize to, so a slot
+        holds what a later gather of these pages returns, whichever slot serves the layer next.
         """
         if self.scale is None:
             self.data.copy_(kv)
             return
-        q, scale = quantize_fp8(kv)  # [2, B, H, T, D], [2, B, H, T, 1]
+        storage = self.storage
+        q, scale = encode_pages(kv, storage)
         self.data.copy_(q)
         self.scale.copy_(scale)
-        kv.copy_(dequantize_fp8(q, scale, kv.dtype))
+        kv.copy_(decode_pages(q, scale, storage, kv.dtype))
 
     def packed(self, tokens: int) -> PageChunk:
-        """``[2, B, H, tokens, D]`` (and scales) packed at the start of this buffer: a contiguous staging view."""
-        two, b, h, _, d = self.data.shape
-        n = two * b * h * tokens
-        scale = self.scale.view(-1)[:n].view(two, b, h, tokens, 1) if self.scale is not None else None
-        return PageChunk(self.data.view(-1)[: n * d].view(two, b, h, tokens, d), scale)
+        """The first ``tokens`` of every row packed at the start of this buffer (and of its scales): a
+        contiguous staging view, ``[2, B, H, tokens, ·]``."""
+        scale = _packed(self.scale, tokens) if self.scale is not None else None
+        return PageChunk(_packed(self.data, tokens), scale)
+
+    def decoder(self, dst: torch.Tensor) -> Callable[[], Any]:
+        """A reusable dequantization of this (device, contiguous) quantized chunk into ``dst``, the
+        ``[2, B, H, T, D]`` token range of a slot, in place: one call per gather of the same pages."""
+        if self.storage == "nf4":
+            return nf4_decode_rows_into(dst, self.data, self.scale, NF4_BLOCK)
+        data, scale = self.data, self.scale
+
+        def fp8() -> None:
+            # the e4m3 -> K/V dtype copy is exact and the fp32 multiply rounds once: dequantize_fp8's result
+            # in two kernels, without temporaries
+            dst.copy_(data)
+            dst.mul_(scale)
+
+        return fp8
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +135,15 @@ class PageChunk:
         if self.scale is not None:
             n += self.scale.numel() * self.scale.element_size()
         return n
+
+
+def _packed(t: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[2, B, H, tokens, C]`` at the start of ``t`` ``[2, B, H, T, C]``'s memory (contiguous)."""
+    two, b, h, _, c = t.shape
+    return t.view(-1)[: two * b * h * tokens * c].view(two, b, h, tokens, c)
+
+
+_STORAGE_OF = {FP8_DTYPE: "fp8", torch.uint8: "nf4"}
 
 
 @dataclass(frozen=True)
@@ -105,37 +162,45 @@ class ChunkLayout:
     """Head dimension."""
     dtype: torch.dtype
     """K/V dtype (the page dtype for "native" storage)."""
-    fp8: bool
-    """Store e4m3 + fp32 per-row scales instead of ``dtype``."""
+    storage: str = "native"
+    """Page format: "native" (``dtype``), "fp8" (e4m3 + one fp32 scale per row) or "nf4" (packed NF4 + one
+    fp32 absmax per :data:`NF4_BLOCK` elements)."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages carry scales (and are dequantized from a device staging chunk)."""
+        return self.storage != "native"
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """``[2 (K/V), B, H, C·P, D]``."""
+        """``[2 (K/V), B, H, C·P, D]``: the K/V the chunk holds."""
         return (2, self.batch, self.heads, self.chunk_pages * self.page_tokens, self.head_dim)
 
     @property
+    def data_shape(self) -> tuple[int, ...]:
+        """The page data's shape: :attr:`shape`, with ``D / 2`` packed bytes per row for "nf4"."""
+        return (*self.shape[:-1], self.head_dim // 2 if self.storage == "nf4" else self.head_dim)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The scales' shape (last dim 0 for "native")."""
+        cols = {"native": 0, "fp8": 1, "nf4": self.head_dim // NF4_BLOCK}[self.storage]
+        return (*self.shape[:-1], cols)
+
+    @property
     def store_dtype(self) -> torch.dtype:
-        """The dtype the pages are stored in."""
-        return FP8_DTYPE if self.fp8 else self.dtype
+        """The dtype the page data is stored in."""
+        return {"native": self.dtype, "fp8": FP8_DTYPE, "nf4": torch.uint8}[self.storage]
 
     @property
     def data_bytes(self) -> int:
         """Bytes of the page data."""
-        return (
-            self.chunk_pages
-            * 2
-            * self.batch
-            * self.heads
-            * self.page_tokens
-            * self.head_dim
-            * self.store_dtype.itemsize
-        )
+        return math.prod(self.data_shape) * self.store_dtype.itemsize
 
     @property
     def scale_bytes(self) -> int:
-        """Bytes of the fp32 per-row scales (0 unless ``fp8``)."""
-        rows = self.chunk_pages * 2 * self.batch * self.heads * self.page_tokens
-        return rows * 4 if self.fp8 else 0
+        """Bytes of the fp32 scales (0 for "native")."""
+        return math.prod(self.scale_shape) * 4
 
 
 class HostPagePool:
@@ -166,7 +231,7 @@ class HostPagePool:
     @staticmethod
     def chunk_bytes(layout: ChunkLayout) -> int:
         """Host bytes of one chunk (data + FP8 scales), each part rounded up to the arena alignment."""
-        return _round_up(layout.data_bytes) + (_round_up(layout.scale_bytes) if layout.fp8 else 0)
+        return _round_up(layout.data_bytes) + _round_up(layout.scale_bytes)
 
     def reserve(self, nbytes: int) -> None:
         """Reserve ``nbytes`` of host memory in one slab now (page-locking is slow: never per step).
@@ -196,11 +261,10 @@ class HostPagePool:
         Returns:
             The chunk; its memory lives until :meth:`release`.
         """
-        shape, store = layout.shape, layout.store_dtype
-        data = self._raw(layout.data_bytes, "kv-pages").view(store).view(shape)
+        data = self._raw(layout.data_bytes, "kv-pages").view(layout.store_dtype).view(layout.data_shape)
         scale = None
-        if layout.fp8:
-            scale = self._raw(layout.scale_bytes, "kv-scales").view(torch.float32).view(*shape[:-1], 1)
+        if layout.quantized:
+            scale = self._raw(layout.scale_bytes, "kv-scales").view(torch.float32).view(layout.scale_shape)
         c = PageChunk(data, scale)
         self._bytes += c.nbytes
         return c
@@ -228,7 +292,6 @@ def _round_up(n: int) -> int:
 
 def device_chunk(layout: ChunkLayout, device: torch.device) -> PageChunk:
     """A device staging chunk with the same layout as a host chunk (contiguous copies both ways)."""
-    shape = layout.shape
-    data = torch.empty(shape, dtype=layout.store_dtype, device=device)
-    scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device) if layout.fp8 else None
+    data = torch.empty(layout.data_shape, dtype=layout.store_dtype, device=device)
+    scale = torch.empty(layout.scale_shape, dtype=torch.float32, device=device) if layout.quantized else None
     return PageChunk(data, scale)

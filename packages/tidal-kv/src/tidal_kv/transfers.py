@@ -62,13 +62,10 @@ class PageTransfers:
         for run in runs:
             for copy in run.copies:
                 copy(h2d)  # why: on the H2D stream, so it runs while the compute stream works
-            if run.stage is not None:
-                # why: the dequantization reads the staging the copies above fill: same stream, in order.
-                # The e4m3 -> K/V dtype copy is exact and the fp32 multiply rounds once: dequantize_fp8's
-                # result in two kernels, without temporaries
+            if run.decode is not None:
+                # why: the dequantization reads the staging the copies above fill: same stream, in order
                 with on(h2d):
-                    run.dst.copy_(run.stage.data)
-                    run.dst.mul_(run.stage.scale)
+                    run.decode()
             self.stats.h2d_bytes += run.m * self._page_bytes
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
@@ -96,7 +93,7 @@ class PageTransfers:
                 with on(self._d2h):  # why: the page drains while the compute stream carries on
                     wait(self._d2h, filled)  # why: see `filled`
                     copy_rows(dst.data, staged.data, 3, self._d2h)
-                    if self._fp8:
+                    if staged.scale is not None:
                         copy_rows(dst.scale, staged.scale, 3, self._d2h)
                     # why: the staging chunk is reusable, and these host pages readable, once this copy finished
                     self._d2h_free = record(self._d2h)

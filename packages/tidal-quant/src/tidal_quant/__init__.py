@@ -14,6 +14,7 @@ from tidal_quant.api import dequantize, quantize, storage_layout
 from tidal_quant.errors import QuantError
 from tidal_quant.formats import QuantFormat, QuantizedWeight, bytes_per_weight
 from tidal_quant.linear import QuantLinear, quant_linear, quantize_model_
+from tidal_quant.rows import nf4_decode_rows, nf4_decode_rows_into, nf4_encode_rows
 
 __all__ = [
     "QuantError",
@@ -24,6 +25,9 @@ __all__ = [
     "bytes_per_weight",
     "decisions",
     "dequantize",
+    "nf4_decode_rows",
+    "nf4_decode_rows_into",
+    "nf4_encode_rows",
     "path_counts",
     "quant_linear",
     "quantize",

@@ -9,6 +9,8 @@ is one fp32 multiply per element, and e4m3 scales are decoded bit by bit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -229,16 +231,17 @@ def _dequant_int8_kernel(
 
 @triton.jit
 def _dequant_4bit_kernel(
-    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, inv_ptr, K,
+    d_ptr, s_ptr, g_ptr, tab_ptr, out_ptr, n_bytes, nblocks, inv_ptr, K, INNER, OSTRIDE,
     GB: tl.constexpr, NG: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr, EVEN: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     # one program: NG groups of 4 contiguous packed bytes (4 * NG bytes, GB per scale block). Byte i
     # holds elements 2i and 2i+1, so both are packed into one output word (OUT 0: bf16 pair as an
     # int32 word, 1: fp16 pair, 2: fp32 pair as an int64 word, 3: e4m3 pair of the values times their
     # row's inverse scale inv[row], as an int16 word; rows of K elements, K % 8 == 0)
     # stored at word i: the [NG, 4] byte tile and the [NG, 4] word tile share one register layout, so no
-    # shuffle sits between load and store.
+    # shuffle sits between load and store. ROWS: the output is strided rows of INNER words, row r starting
+    # at word r * OSTRIDE (a token range of a K/V buffer, tidal-kv's page gathers); word i goes there.
     pid = tl.program_id(0)
     if WIDE:  # more than 2**31 bytes: 64-bit offsets
         pid = pid.to(tl.int64)
@@ -278,10 +281,11 @@ def _dequant_4bit_kernel(
             h0 = v0.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
             h1 = v1.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         w = (h0 | (h1 << 16)).to(tl.int32, bitcast=True)
+    woffs = (boffs // INNER) * OSTRIDE + boffs % INNER if ROWS else boffs
     if EVEN:
-        tl.store(out_ptr + boffs, w)
+        tl.store(out_ptr + woffs, w)
     else:
-        tl.store(out_ptr + boffs, w, mask=boffs < n_bytes)
+        tl.store(out_ptr + woffs, w, mask=boffs < n_bytes)
 
 
 @triton.jit
@@ -343,12 +347,20 @@ class DequantLaunch:
 
     def __call__(self) -> torch.Tensor:
         buf = torch.empty(self._size, dtype=self._dtype, device=self._device)
-        out = buf if self._word is None else buf.view(self._word)
-        self._fn[self._grid](*self._before, out, *self._after, num_warps=self._warps)
+        self.into(buf)
         if self._shape is None:
             return buf
         numel = self._shape[0] * self._shape[1]
         return (buf if numel == buf.numel() else buf[:numel]).view(self._shape)
+
+    def into(self, out: torch.Tensor) -> None:
+        """Launch into ``out``, a buffer of the launch's dtype (made by the caller, with the layout the
+        kernel arguments were worked out for)."""
+        self.into_words(out if self._word is None else out.view(self._word))
+
+    def into_words(self, words: torch.Tensor) -> None:
+        """:meth:`into` with ``out`` already viewed as the words the kernel writes (see ``word``)."""
+        self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
 
 
 def dequant_launch(
@@ -382,7 +394,23 @@ def dequant_launch(
     )
 
 
-def _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, dtype, config, inv_row_scales):
+def dequant_rows_launch(
+    fmt_id: int, data: torch.Tensor, scales: torch.Tensor, block_size: int, dst: torch.Tensor, row_stride: int
+):
+    """A zero-argument launch that dequantizes NF4 ``data`` into ``dst``, strided rows of contiguous
+    ``[T, D]`` elements ``row_stride`` elements apart (``data``: the packed bytes of those elements in row
+    order; checked by :func:`tidal_quant.ops.dequant_rows_launch`)."""
+    assert fmt_id == FMT_NF4, fmt_id
+    inner = dst.shape[-2] * dst.shape[-1] // 2  # words (two elements each) per row
+    rows = (data.numel() // inner, inner, row_stride // 2)  # one packed byte per output word
+    shape = (data.numel() * 2 // dst.shape[-1], dst.shape[-1])
+    launch = _dequant_4bit_launch(False, data, scales, None, shape, block_size, dst.dtype, None, None, rows)
+    return functools.partial(launch.into_words, dst.view(_WORDS[dst.dtype][1]))  # the view made once
+
+
+def _dequant_4bit_launch(
+    nvfp4, data, scales, global_scale, shape, block_size, dtype, config, inv_row_scales, rows=None
+):
     n_bytes = data.numel()
     if inv_row_scales is None:
         out_id, word = _WORDS[dtype]
@@ -393,11 +421,13 @@ def _dequant_4bit_launch(nvfp4, data, scales, global_scale, shape, block_size, d
     tab = table("e2m1" if nvfp4 else "nf4", data.device)
     per_program, warps = config or DEQUANT_4BIT_CONFIG
     even = n_bytes % per_program == 0
-    wide = n_bytes + per_program >= 2**31
+    # rows: (row count, words per row, words between row starts) of a strided output, else one flat buffer
+    n_rows, inner, ostride = rows or (1, n_bytes, n_bytes)
+    wide = max(n_bytes, (n_rows - 1) * ostride + inner) + per_program >= 2**31
     e4m3 = inv_row_scales is not None
     inv, k = (inv_row_scales, shape[1]) if e4m3 else (scales, 1)  # K only matters for e4m3 output
-    consts = (gb, per_program // 4, nvfp4, out_id, even, wide)
-    after = (n_bytes, scales.numel(), inv, k, *consts)
+    consts = (gb, per_program // 4, nvfp4, out_id, even, wide, rows is not None)
+    after = (n_bytes, scales.numel(), inv, k, inner, ostride, *consts)
     # [2 * n_bytes] elements (one of padding when numel is odd), written as n_bytes words
     grid = (triton.cdiv(n_bytes, per_program),)
     return DequantLaunch(

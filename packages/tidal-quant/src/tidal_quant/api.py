@@ -14,6 +14,7 @@ from tidal_quant.errors import bad_arg
 from tidal_quant.formats import (
     DOUBLE_QUANT_BLOCK,
     NVFP4_BLOCK,
+    OUT_DTYPES,
     QuantFormat,
     QuantizedWeight,
     as_format,
@@ -21,8 +22,6 @@ from tidal_quant.formats import (
     n_blocks,
     resolve_block_size,
 )
-
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_double_quant(fmt: QuantFormat, double_quant: object) -> bool:

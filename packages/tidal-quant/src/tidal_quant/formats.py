@@ -43,6 +43,7 @@ DEFAULT_BLOCK: dict[QuantFormat, int | None] = {
 }
 NVFP4_BLOCK = 16
 DOUBLE_QUANT_BLOCK = 256
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # dtypes the dequantizers write
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -11,14 +11,15 @@ use only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.library import custom_op
 
 from tidal_quant import _log
 from tidal_quant import reference as ref
-from tidal_quant.formats import NVFP4_BLOCK, n_blocks
+from tidal_quant.errors import bad_arg
+from tidal_quant.formats import NVFP4_BLOCK, OUT_DTYPES, n_blocks
 
 _FMT_ID = {"int8": 0, "nf4": 1, "nvfp4": 2}  # formats of the fused dequant-matmul
 _DEQ_ID = {**_FMT_ID, "fp8": 3}  # formats of the Triton dequantize kernels
@@ -349,4 +350,45 @@ def dequant_launch(data, scales, global_scale, fmt, shape, block_size, dtype):
     each call allocates and fills a new ``[N, K]`` tensor."""
     return _tr().dequant_launch(
         _DEQ_ID[fmt], data, scales, global_scale, (shape[0], shape[1]), block_size, dtype
+    )
+
+
+def dequant_rows_launch(
+    data: torch.Tensor, scales: torch.Tensor, fmt: str, block_size: int, dst: torch.Tensor
+) -> Callable[[], None]:
+    """A reusable dequantize of packed 4-bit ``data`` straight into ``dst``, a strided ``[..., T, D]`` view such
+    as a token range of a K/V buffer (tidal-kv's page gathers); each call rewrites ``dst``.
+
+    Args:
+        data: uint8, the packed bytes of ``dst``'s elements in row-major order (contiguous).
+        scales: fp32 block scales, one per ``block_size`` of those elements.
+        fmt: "nf4" (the only format supported here).
+        block_size: Elements per scale; ``D`` must be a multiple of it.
+        dst: bf16 / fp16 / fp32 ``[..., T, D]`` whose ``[T, D]`` rows are contiguous and evenly spaced (its
+            leading dims collapse to one stride): one Triton launch on CUDA, the reference elsewhere.
+
+    Raises:
+        QuantError: a layout the launch cannot write (what was given and what is accepted).
+    """
+    if fmt != "nf4":
+        raise bad_arg("fmt", fmt, '"nf4"')
+    t, d = (dst.shape[-2], dst.shape[-1]) if dst.dim() >= 2 else (0, 0)
+    lead = range(dst.dim() - 3)  # leading dims: each must step by the next one's whole extent
+    collapses = all(dst.stride(i) == dst.stride(i + 1) * dst.shape[i + 1] or dst.shape[i] == 1 for i in lead)
+    if not (t and d and dst.stride(-1) == 1 and dst.stride(-2) == d and collapses):
+        rows = "[..., T, D] with contiguous [T, D] rows whose leading dims collapse to one stride"
+        raise bad_arg("dst", f"shape {tuple(dst.shape)}, strides {dst.stride()}", rows)
+    if dst.dtype not in OUT_DTYPES or d % block_size or block_size % 2:
+        kinds = "bf16 / fp16 / fp32, D a multiple of an even block_size"
+        raise bad_arg("dst", f"{dst.dtype}, D={d}, block_size={block_size}", kinds)
+    numel = dst.numel()
+    if data.dtype != torch.uint8 or data.numel() * 2 != numel or scales.numel() * block_size != numel:
+        need = f"uint8 x {numel // 2} and {numel // block_size} scales for dst's {numel} elements"
+        raise bad_arg("data, scales", f"{data.dtype} x {data.numel()}, {scales.numel()} scales", need)
+    row_stride = dst.stride(-3) if dst.dim() >= 3 else t * d
+    if dst.device.type == "cuda":
+        return _tr().dequant_rows_launch(_DEQ_ID[fmt], data, scales, block_size, dst, row_stride)
+    shape = (numel // d, d)
+    return lambda: dst.copy_(
+        dequant_ref(data, scales, None, fmt, shape, block_size, dst.dtype).view(dst.shape)
     )

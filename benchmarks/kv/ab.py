@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,38 +33,48 @@ BASE_NAME = "tidal_kv_base"
 _IMPORT = re.compile(r"\b(from|import) tidal_kv\b")
 
 
-def load_baseline(src: Path, into: Path) -> Any:
-    """Copy the ``tidal_kv`` package under ``src`` to ``into/tidal_kv_base`` (imports rewritten) and import it.
+def load_baseline(
+    src: Path, into: Path, name: str = BASE_NAME, patch: Callable[[dict[str, str]], None] | None = None
+) -> Any:
+    """Copy the ``tidal_kv`` package under ``src`` to ``into/<name>`` (imports rewritten) and import it.
 
     Args:
         src: A tidal-kv ``src`` folder (it holds ``tidal_kv/``).
-        into: An empty folder to put the copy in (added to ``sys.path``).
+        into: A folder to put the copy in (added to ``sys.path``).
+        name: The copy's package name.
+        patch: Edits the copy's sources in place (module file name -> text) before they are written
+            (``variants.py``'s engines).
 
     Returns:
-        The imported ``tidal_kv_base`` package.
+        The imported package.
     """
     pkg = src / "tidal_kv"
     if not (pkg / "__init__.py").is_file():
         raise SystemExit(f"--baseline={src} is not a tidal-kv src folder: it has no tidal_kv/__init__.py")
-    dst = into / BASE_NAME
+    dst = into / name
     shutil.copytree(pkg, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    for f in dst.rglob("*.py"):
-        f.write_text(_IMPORT.sub(lambda m: f"{m.group(1)} {BASE_NAME}", f.read_text()))
-    sys.path.insert(0, str(into))
+    files = {f.name: f.read_text() for f in dst.glob("*.py")}
+    if patch is not None:
+        patch(files)
+    for fname, text in files.items():
+        (dst / fname).write_text(_IMPORT.sub(lambda m: f"{m.group(1)} {name}", text))
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
     import importlib
 
-    return importlib.import_module(BASE_NAME)
+    return importlib.import_module(name)
 
 
-def with_baseline(make_cache: Any, base: Any) -> Any:
-    """``decode_worker.make_cache`` that also builds ``tidal-base``: ``tidal``'s TidalCache over ``base``."""
+def with_packages(make_cache: Any, packages: dict[str, Any]) -> Any:
+    """``decode_worker.make_cache`` that also builds each engine of ``packages`` (engine -> a tidal-kv copy):
+    ``tidal``'s TidalCache over that copy's ``PagedKVCache``."""
 
     def make(engine: str, model: Any, max_tokens: int, page_tokens: int, slots: int) -> Any:
-        if engine != "tidal-base":
+        if engine not in packages:
             return make_cache(engine, model, max_tokens, page_tokens, slots)
         cache = make_cache("tidal", model, max_tokens, page_tokens, slots)
         c = cache.paged.config
-        paged = base.PagedKVCache(
+        paged = packages[engine].PagedKVCache(
             c.num_layers,
             c.max_tokens,
             num_kv_heads=c.num_kv_heads,
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         base = load_baseline(src, Path(tmp))
-        decode_worker.make_cache = with_baseline(decode_worker.make_cache, base)
+        decode_worker.make_cache = with_packages(decode_worker.make_cache, {"tidal-base": base})
         print(f"tidal-base: PagedKVCache from {src}", flush=True)
         return interleaved.main(argv)
 

@@ -140,7 +140,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", default="dynamic,tidal", help="comma-separated: dynamic, tidal, tidal-fp8, tidal-nf4")
+    ap.add_argument(
+        "--engines", default="dynamic,tidal", help="comma-separated: dynamic, tidal, tidal-fp8, tidal-nf4"
+    )
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=3)

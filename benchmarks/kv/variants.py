@@ -1,0 +1,108 @@
+"""What each part of an offloaded layer's decode step costs: ``interleaved.py`` with TidalCache variants.
+
+```bash
+python3 benchmarks/kv/variants.py --context 4096 --steps 60      # the GPU machine, ~1 min
+python3 benchmarks/kv/variants.py --smoke                        # tiny Llama on the CPU
+```
+
+At batch 1 a decode step is bound by the host, and TidalCache's offloaded layers cost it more than their
+calls do one at a time (``host_costs.py``). Each variant is a copy of tidal-kv (``ab.load_baseline``) with one
+part of the offloaded path taken out, stepped in the same rotated rounds as DynamicCache, ``tidal`` and
+``tidal-resident`` (every layer resident: the cache's own path without offloading):
+
+- ``tidal-nocopy``: no page copy and no dequantization is issued (the slot holds stale K/V: timing only);
+- ``tidal-noev``: no CUDA event is recorded or waited on (copies unordered: timing only);
+- ``tidal-bare``: both, leaving the offloaded path's Python and its token and tail-page copies;
+- ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order).
+
+The ``paired_ratio`` columns then split tidal's gap to DynamicCache between the offloaded layers' host
+path (``bare`` against ``resident``), their events and their copies.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+for _p in (HERE, HERE.parent):  # benchmarks/kv (ab, decode_worker) and benchmarks/ (engines: the scenario)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+SRC = HERE.parents[1] / "packages" / "tidal-kv" / "src"
+DEFAULT_ENGINES = "dynamic,tidal,tidal-resident,tidal-nocopy,tidal-noev,tidal-bare,tidal-onestream"
+
+
+def _replace(files: dict[str, str], module: str, old: str, new: str) -> None:
+    """Replace ``old`` (which must occur) by ``new`` in ``module``'s source."""
+    if old not in files[module]:
+        raise SystemExit(f"variants.py: {module} no longer contains {old!r}; update the variant")
+    files[module] = files[module].replace(old, new)
+
+
+def no_copies(files: dict[str, str]) -> None:
+    """Issue no page copy or dequantization in gathers."""
+    _replace(files, "transfers.py", "copy(h2d)  # why", "pass  # copy(h2d) why")
+    _replace(files, "transfers.py", "run.decode()", "pass")
+
+
+def no_events(files: dict[str, str]) -> None:
+    """Record and wait on no CUDA event (``streams.record`` returns None, ``streams.wait`` returns at once)."""
+    _replace(
+        files,
+        "streams.py",
+        "    if stream is None:\n        return None\n    ev =",
+        "    return None\n    ev =",
+    )
+    _replace(files, "streams.py", "    if stream is None or event is None:\n        return\n", "    return\n")
+
+
+def bare(files: dict[str, str]) -> None:
+    """:func:`no_copies` and :func:`no_events`."""
+    no_copies(files)
+    no_events(files)
+
+
+def one_stream(files: dict[str, str]) -> None:
+    """Page copies on the compute stream (ordered by it, so no events)."""
+    for side in ("_h2d", "_d2h"):
+        _replace(
+            files,
+            "paged.py",
+            f"self.{side} = torch.cuda.Stream(self._device)",
+            f"self.{side} = torch.cuda.current_stream(self._device)",
+        )
+    no_events(files)
+
+
+VARIANTS = {
+    "tidal-nocopy": no_copies,
+    "tidal-noev": no_events,
+    "tidal-bare": bare,
+    "tidal-onestream": one_stream,
+}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--engines" not in argv:
+        argv += ["--engines", DEFAULT_ENGINES]
+    import ab
+    import decode_worker
+    import interleaved
+
+    names = argv[argv.index("--engines") + 1].split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        packages = {
+            e: ab.load_baseline(SRC, Path(tmp), "tidal_kv_" + e.split("-", 1)[1], VARIANTS[e])
+            for e in names
+            if e in VARIANTS
+        }
+        decode_worker.make_cache = ab.with_packages(decode_worker.make_cache, packages)
+        return interleaved.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ python3 benchmarks/kv/host_costs.py            # on the GPU machine; ~20 s
 
 A batch-1 decode step is bound by the host: what it costs is the time Python needs to *issue* its calls, not
 the device time they take. This times each primitive the cache's update path is built from (and a few
-candidates to replace them) as the median over ``--repeats`` loops of ``--calls`` back-to-back issues, at the
+candidates to replace them, and a gather's dequantization of fp8 and NF4 pages) as the median over ``--repeats`` loops of ``--calls`` back-to-back issues, at the
 decode8b K/V shape (8 K/V heads, head_dim 128, bf16). Each line prints µs per call (issue only: the device
 is drained between loops, never inside one).
 """
@@ -82,6 +82,24 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
         three_copies()
     out["CUDAGraph.replay (3 copies)"] = graph.replay
     out.update(triton_launch(k))
+    out.update(page_decoders(slot[:, :, :, :context]))
+    return out
+
+
+def page_decoders(dst: Any) -> dict[str, Callable[[], None]]:
+    """A gather's dequantization of ``dst``'s tokens (a slot's token range) from fp8 and from NF4 staging."""
+    import torch
+
+    from tidal_kv.storage import ChunkLayout, device_chunk
+
+    _, b, h, t, d = dst.shape
+    out = {}
+    for storage in ("fp8", "nf4"):
+        layout = ChunkLayout(1, b, h, t, d, dst.dtype, storage)
+        staged = device_chunk(layout, dst.device)
+        staged.data.view(torch.uint8).zero_()
+        staged.scale.fill_(1.0)
+        out[f"{storage} page decode ({t} tokens)"] = staged.decoder(dst)
     return out
 
 

@@ -119,6 +119,14 @@ STORAGE = {"tidal-fp8": "fp8", "tidal-nf4": "nf4"}  # TidalCache engines with qu
 PAGE_BYTES = {"tidal": 1.0, "tidal-fp8": 132 / 256, "tidal-nf4": 80 / 256}
 
 
+def report(rows: list[dict[str, Any]], markdown: str, json_path: Any = None) -> list[dict[str, Any]]:
+    """Print ``markdown`` (the rows' table) and, with ``json_path``, write the rows there as JSON lines."""
+    print(markdown)
+    if json_path is not None:
+        json_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
 def cases(contexts: list[int], batches: list[int]) -> list[tuple[int, int]]:
     """Every (context, batch) pair, smallest K/V first (an overlong last case loses only itself)."""
     return sorted(((c, b) for c in contexts for b in batches), key=lambda cb: (cb[0] * cb[1], cb[0]))

@@ -37,7 +37,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from decode_worker import SDPA_BACKENDS, sdpa_backends  # noqa: E402
+from decode_worker import SDPA_BACKENDS, report, sdpa_backends  # noqa: E402
 
 __all__ = ["StepClock", "host_ops", "main", "ops_table", "paired_ratio", "rounds", "split"]
 
@@ -292,10 +292,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 row["sdpa"] = args.sdpa
                 print("RESULT " + json.dumps(row), flush=True)
                 rows.append(row)
-    print(table(rows))
-    if args.json:
-        args.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return rows
+    return report(rows, table(rows), args.json)
 
 
 if __name__ == "__main__":

@@ -267,6 +267,17 @@ def test_cuda_profile_matches_the_machine_figures(tmp_path, monkeypatch):
     assert p.device_free_bytes <= p.device_allocatable_bytes <= p.device_free_bytes + cached
     assert p.device_allocatable_bytes <= p.device_total_bytes
     assert elapsed < 3.0  # quick mode
+    if "H200" in p.device_name:
+        # Both directions at once moved with the host's state: the machine README measured 94 GB/s, suite runs
+        # of 2026-11-30 measured 78.3, 82.5 and 85.3 on the same kind of host. The profile's claim is that it
+        # measures this host now, so it is checked against an independent measurement taken right after it,
+        # before anything else here touches the device. The whole-budget allocation below used to come
+        # between them; in suite order (after tidal-plan's census test) the copies measured after it ran one
+        # after the other (55-56 GB/s) in the first or in every round, and the test failed; measured first,
+        # it read 95-102 GB/s in every round (benchmarks/results/diag-link-order-h200-2026-11-30.txt).
+        direct, rounds = _both_directions_gbps()
+        print(f"both directions: profile {p.bidir_gbps:.1f} GB/s, direct {direct:.1f} GB/s, rounds {rounds}")
+        assert abs(p.bidir_gbps - direct) <= 0.10 * direct, (p.bidir_gbps, direct, rounds)
     # The budget can really be allocated, on top of what this process holds.
     whole_budget = torch.empty(p.vram_budget_bytes, dtype=torch.uint8, device="cuda")
     del whole_budget
@@ -281,12 +292,6 @@ def test_cuda_profile_matches_the_machine_figures(tmp_path, monkeypatch):
         assert p.has_fp8_tensor_cores and not p.has_fp4_tensor_cores
         # both directions at once beat either alone on any host, and never reach their sum
         assert max(p.h2d_gbps, p.d2h_gbps) < p.bidir_gbps < p.h2d_gbps + p.d2h_gbps
-        # Both directions at once moved with the host's state: the machine README measured 94 GB/s, suite runs
-        # of 2026-11-30 measured 78.3, 82.5 and 85.3 on the same kind of host. The profile's claim is that it
-        # measures this host now, so it is checked against an independent measurement taken right after it.
-        direct, rounds = _both_directions_gbps()
-        print(f"both directions: profile {p.bidir_gbps:.1f} GB/s, direct {direct:.1f} GB/s, rounds {rounds}")
-        assert abs(p.bidir_gbps - direct) <= 0.10 * direct, (p.bidir_gbps, direct, rounds)
         if p.host_threads == 16:  # the host the machine README describes (16 cores)
             # the machine README measured 3.7-4.3 G params/s; one of two suite runs of 2026-11-30 on such a
             # host measured 5.18 (the other stayed under 4.73): the rate varies by run, the band holds both

@@ -487,6 +487,7 @@ def test_decode_tokens_take_the_flat_path_and_filling_a_page_the_general_one(mon
     assert general == [(layer, 0) for layer in range(4)] + [(layer, 7) for layer in off]
 
 
+@pytest.mark.parametrize("storage", ["native", "fp8", "nf4"])
 @settings(max_examples=40, deadline=None)
 @given(
     layers=st.integers(2, 5),
@@ -497,13 +498,27 @@ def test_decode_tokens_take_the_flat_path_and_filling_a_page_the_general_one(mon
     ),
     data=st.data(),
 )
-def test_any_schedule_of_updates_matches_concatenation(layers, page, slots, schedule, data):
+def test_any_schedule_of_updates_matches_concatenation(storage, layers, page, slots, schedule, data):
     # the flat decode path and the general one, interleaved by any mix of token counts, page sizes, slot
-    # counts, stack orders (a step's layers rotated) and resets, against torch.cat
+    # counts, stack orders (a step's layers rotated) and resets, against torch.cat; an offloaded layer's
+    # tokens in full pages come back as their page format makes them (each row's own scales: independent
+    # of where pages were cut or which slot served them), the partial page's exactly
     resident = data.draw(st.integers(0, layers - 1), label="resident")
-    cache = PagedKVCache(layers, 6, resident_layers=resident, page_tokens=page, prefetch_slots=slots)
+    cache = PagedKVCache(
+        layers, 6, resident_layers=resident, page_tokens=page, prefetch_slots=slots, storage=storage
+    )
+    d = 32 if storage == "nf4" else 4  # nf4: whole 32-element blocks per row
     g = torch.Generator().manual_seed(len(schedule))
     ref: dict[int, torch.Tensor] = {}
+
+    def expected(layer: int) -> torch.Tensor:  # [2, B, H, T, D] as the cache returns it
+        kv = ref[layer]
+        full = kv.shape[3] // page * page
+        if storage == "native" or layer not in cache.offloaded_layers or not full:
+            return kv
+        paged = decode_pages(*encode_pages(kv[:, :, :, :full], storage), storage, kv.dtype)
+        return torch.cat([paged, kv[:, :, :, full:]], dim=3)
+
     for n, reset, rotate in schedule:
         if reset:
             cache.reset()
@@ -511,10 +526,12 @@ def test_any_schedule_of_updates_matches_concatenation(layers, page, slots, sche
         order = list(range(layers))
         order = order[rotate % layers :] + order[: rotate % layers]
         for layer in order:
-            kv = torch.randn(2, 1, 2, n, 4, generator=g)  # K and V, [B, H, n, D] each
+            kv = torch.randn(2, 1, 2, n, d, generator=g)  # K and V, [B, H, n, D] each
             ref[layer] = torch.cat([ref[layer], kv], dim=3) if layer in ref else kv
             k, v = cache.update(layer, kv[0], kv[1])
-            assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1]), (layer, n)
-    for layer, kv in ref.items():
+            want = expected(layer)
+            assert torch.equal(k, want[0]) and torch.equal(v, want[1]), (layer, n)
+    for layer in ref:
         k, v = cache.gather(layer)
-        assert torch.equal(k, kv[0]) and torch.equal(v, kv[1])
+        want = expected(layer)
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])

@@ -31,20 +31,20 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import quality  # noqa: E402 - benchmarks/quality.py: corpus, training loop, reference shape
 import torch  # noqa: E402
 
 ENGINES = ("dynamic", "tidal", "tidal-fp8", "tidal-nf4")
-#: The byte LM: 4 layers, head_dim 64 (4 heads of 256), grouped K/V (2 heads) as in the models users decode.
+#: The byte LM: ``quality.py``'s, 4 layers of 256 with head_dim 64 (4 heads) and grouped K/V (2 heads), as in
+#: the models users decode, and positions for a whole window.
 MODEL = dict(
+    quality.MODEL,
     hidden_size=256,
     intermediate_size=704,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    vocab_size=256,
     max_position_embeddings=2048,
-    rope_theta=10_000.0,
-    tie_word_embeddings=False,
 )
 SMOKE_MODEL = dict(
     MODEL, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1
@@ -138,7 +138,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     import engines  # noqa: F401 - puts packages/*/src on the path
-    import quality
     from decode_worker import report
 
     if args.smoke:

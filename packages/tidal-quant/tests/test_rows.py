@@ -6,9 +6,6 @@ importable, in its interpreter on the CPU.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -114,13 +111,9 @@ _INTERP_ROWS = textwrap.dedent(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_rows_kernel_in_triton_interpreter():
+def test_rows_kernel_in_triton_interpreter(run_in_triton_interpreter):
     # fp32 out: the interpreter truncates bf16 conversions (bf16 is checked on the GPU)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _INTERP_ROWS], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP_ROWS)
 
 
 @gpu

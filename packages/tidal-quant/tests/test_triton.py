@@ -292,13 +292,9 @@ _INTERP = textwrap.dedent(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_kernels_in_triton_interpreter():
+def test_kernels_in_triton_interpreter(run_in_triton_interpreter):
     # fp32 in and out: the interpreter truncates bf16 conversions, so bf16 output is checked on the GPU only
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP)
 
 
 _HOPPER_PTX = textwrap.dedent(

@@ -65,14 +65,14 @@ def load_baseline(
     return importlib.import_module(name)
 
 
-def with_packages(make_cache: Any, packages: dict[str, Any]) -> Any:
+def with_packages(make_cache: Any, packages: dict[str, Any], like: str = "tidal") -> Any:
     """``decode_worker.make_cache`` that also builds each engine of ``packages`` (engine -> a tidal-kv copy):
-    ``tidal``'s TidalCache over that copy's ``PagedKVCache``."""
+    engine ``like``'s TidalCache (its page format too) over that copy's ``PagedKVCache``."""
 
     def make(engine: str, model: Any, max_tokens: int, page_tokens: int, slots: int) -> Any:
         if engine not in packages:
             return make_cache(engine, model, max_tokens, page_tokens, slots)
-        cache = make_cache("tidal", model, max_tokens, page_tokens, slots)
+        cache = make_cache(like, model, max_tokens, page_tokens, slots)
         c = cache.paged.config
         paged = packages[engine].PagedKVCache(
             c.num_layers,

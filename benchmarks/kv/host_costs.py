@@ -6,7 +6,8 @@ python3 benchmarks/kv/host_costs.py            # on the GPU machine; ~20 s
 
 A batch-1 decode step is bound by the host: what it costs is the time Python needs to *issue* its calls, not
 the device time they take. This times each primitive the cache's update path is built from (and a few
-candidates to replace them, and a gather's dequantization of fp8 and NF4 pages) as the median over ``--repeats`` loops of ``--calls`` back-to-back issues, at the
+candidates to replace them, a gather's dequantization of fp8 and NF4 pages, and a whole gather of each page
+format issued call by call and as one CUDA graph) as the median over ``--repeats`` loops of ``--calls`` back-to-back issues, at the
 decode8b K/V shape (8 K/V heads, head_dim 128, bf16). Each line prints µs per call (issue only: the device
 is drained between loops, never inside one).
 """
@@ -14,6 +15,7 @@ is drained between loops, never inside one).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -86,6 +88,29 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
     return out
 
 
+def page_gathers(heads: int, head_dim: int, context: int, page: int) -> dict[str, Callable[[], None]]:
+    """One offloaded layer's whole gather of ``context`` tokens of pages (its copies and dequantization),
+    issued one call each and as the replay of its CUDA graph ([Note: gather graphs] in ``tidal_kv.slots``)."""
+    import torch
+
+    from tidal_kv import PagedKVCache
+
+    out = {}
+    kv = torch.randn(1, heads, context, head_dim, device="cuda", dtype=torch.bfloat16)
+    for storage in ("native", "fp8", "nf4"):
+        cache = PagedKVCache(2, context + page, resident_layers=[0], page_tokens=page, storage=storage)
+        for layer in (0, 1):
+            cache.update(layer, kv, kv)
+        slot, h2d = cache._slots[0], cache._h2d
+        plan = slot.gather_plan(1, 0, context // page, cache._host[1], cache._chunk_layout, cache._h2d_stage)
+        plan.issue(h2d)
+        plan.issue(h2d)  # the second use captures the plan (more than one operation)
+        out[f"{storage} gather, one call each"] = functools.partial(plan._queue, h2d)
+        if plan.graph is not None:
+            out[f"{storage} gather, graph launch"] = functools.partial(plan.graph.launch, h2d)
+    return out
+
+
 def page_decoders(dst: Any) -> dict[str, Callable[[], None]]:
     """A gather's dequantization of ``dst``'s tokens (a slot's token range) from fp8 and from NF4 staging."""
     import torch
@@ -141,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, call in calls.items():
         print(f"{name:34s} {timed(call, args.calls, args.repeats, torch.cuda.synchronize):8.2f}")
+    # a gather keeps the link busy for 0.1-2 ms: few enough that the host never waits for room in the queue
+    calls = min(args.calls, 32)
+    print(f"whole gathers of {args.context} tokens, {calls} back to back:")
+    for name, call in page_gathers(args.heads, args.head_dim, args.context, args.page_tokens).items():
+        print(f"{name:34s} {timed(call, calls, args.repeats, torch.cuda.synchronize):8.2f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 ```bash
 python3 benchmarks/kv/variants.py --context 4096 --steps 60      # the GPU machine, ~1 min
+python3 benchmarks/kv/variants.py --context 32768 --storage nf4  # the variants over NF4 host pages
 python3 benchmarks/kv/variants.py --smoke                        # tiny Llama on the CPU
 ```
 
@@ -10,10 +11,15 @@ calls do one at a time (``host_costs.py``). Each variant is a copy of tidal-kv (
 part of the offloaded path taken out, stepped in the same rotated rounds as DynamicCache, ``tidal`` and
 ``tidal-resident`` (every layer resident: the cache's own path without offloading):
 
+With ``--storage fp8`` or ``nf4`` the variants and the measured engine (``tidal-fp8`` / ``tidal-nf4`` in place of
+``tidal``) keep their full pages in that format.
+
 - ``tidal-nocopy``: no page copy and no dequantization is issued (the slot holds stale K/V: timing only);
 - ``tidal-noev``: no CUDA event is recorded or waited on (copies unordered: timing only);
 - ``tidal-bare``: both, leaving the offloaded path's Python and its token and tail-page copies;
-- ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order).
+- ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order);
+- ``tidal-eager``: gathers never replayed as CUDA graphs (see [Note: gather graphs] in ``tidal_kv.slots``);
+- ``tidal-3slots``: three gather slots (not in the default list: an A/B of ``--slots`` in the same rounds).
 
 The ``paired_ratio`` columns then split tidal's gap to DynamicCache between the offloaded layers' host
 path (``bare`` against ``resident``), their events and their copies.
@@ -32,20 +38,23 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (ab, decode_worker) and benchmar
         sys.path.insert(0, str(_p))
 
 SRC = HERE.parents[1] / "packages" / "tidal-kv" / "src"
-DEFAULT_ENGINES = "dynamic,tidal,tidal-resident,tidal-nocopy,tidal-noev,tidal-bare,tidal-onestream"
+DEFAULT_ENGINES = (
+    "dynamic,tidal,tidal-resident,tidal-nocopy,tidal-noev,tidal-bare,tidal-onestream,tidal-eager"
+)
+STORAGES = ("native", "fp8", "nf4")
 
 
 def _replace(files: dict[str, str], module: str, old: str, new: str) -> None:
     """Replace ``old`` (which must occur) by ``new`` in ``module``'s source."""
-    if old not in files[module]:
+    if old not in files.get(module, ""):
         raise SystemExit(f"variants.py: {module} no longer contains {old!r}; update the variant")
     files[module] = files[module].replace(old, new)
 
 
 def no_copies(files: dict[str, str]) -> None:
     """Issue no page copy or dequantization in gathers."""
-    _replace(files, "transfers.py", "copy(h2d)  # why", "pass  # copy(h2d) why")
-    _replace(files, "transfers.py", "run.decode()", "pass")
+    _replace(files, "slots.py", "copy(stream)  # why", "pass  # copy(stream) why")
+    _replace(files, "slots.py", "run.decode()", "pass")
 
 
 def no_events(files: dict[str, str]) -> None:
@@ -57,6 +66,16 @@ def no_events(files: dict[str, str]) -> None:
         "    return None\n    ev =",
     )
     _replace(files, "streams.py", "    if stream is None or event is None:\n        return\n", "    return\n")
+
+
+def eager(files: dict[str, str]) -> None:
+    """Never capture a gather as a CUDA graph: issue its copies and dequantization one call each."""
+    _replace(files, "slots.py", "self.capture = ops > 1", "self.capture = False")
+
+
+def three_slots(files: dict[str, str]) -> None:
+    """Three device gather slots whatever ``--slots`` says (two layers' gathers in flight ahead of use)."""
+    _replace(files, "paged.py", "n_slots = min(c.prefetch_slots,", "n_slots = min(3,")
 
 
 def bare(files: dict[str, str]) -> None:
@@ -82,13 +101,23 @@ VARIANTS = {
     "tidal-noev": no_events,
     "tidal-bare": bare,
     "tidal-onestream": one_stream,
+    "tidal-eager": eager,
+    "tidal-3slots": three_slots,
 }
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
+    storage = "native"
+    if "--storage" in argv:
+        i = argv.index("--storage")
+        storage = argv[i + 1] if i + 1 < len(argv) else ""
+        if storage not in STORAGES:
+            raise SystemExit(f"--storage={storage!r} is not accepted: expected one of {', '.join(STORAGES)}")
+        del argv[i : i + 2]
+    like = "tidal" if storage == "native" else f"tidal-{storage}"
     if "--engines" not in argv:
-        argv += ["--engines", DEFAULT_ENGINES]
+        argv += ["--engines", DEFAULT_ENGINES.replace("dynamic,tidal,", f"dynamic,{like},")]
     import ab
     import decode_worker
     import interleaved
@@ -100,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for e in names
             if e in VARIANTS
         }
-        decode_worker.make_cache = ab.with_packages(decode_worker.make_cache, packages)
+        decode_worker.make_cache = ab.with_packages(decode_worker.make_cache, packages, like)
         return interleaved.main(argv)
 
 

@@ -58,7 +58,7 @@ def test_gpu_copy_rows_moves_strided_pages_both_ways_through_one_call(monkeypatc
     import tidal_arena.rows as rows_mod
 
     calls = []
-    runtime = rows_mod._cuda_runtime()
+    runtime = rows_mod.cuda_runtime()
     assert runtime is not None, "CuPy's runtime must be usable on the GPU machine"
 
     class Counting:

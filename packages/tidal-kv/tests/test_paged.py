@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tidal_kv import KVCacheError, KVConfigError, PagedKVCache
 from tidal_kv import paged as paged_mod
+from tidal_kv import slots as slots_mod
 from tidal_kv import transfers as transfers_mod
 from tidal_kv.config import KVConfig
 from tidal_kv.storage import ChunkLayout, decode_pages, encode_pages
@@ -169,10 +170,10 @@ def test_decode_reuses_cached_gather_views_and_stays_exact(device, storage, monk
             assert torch.equal(keys, want[0]) and torch.equal(values, want[1])
 
     def plans():
-        return {(id(s), layer): runs for s in cache._slots for layer, (_, runs) in s.plans.items()}
+        return {(id(s), layer): plan for s in cache._slots for layer, plan in s.plans.items()}
 
     step(13)  # 3 full pages + 1 token in the tail
-    assert any(len(runs) == 2 for runs in plans().values())  # pages 0-1 and page 2: two runs per gather
+    assert any(len(plan.runs) == 2 for plan in plans().values())  # pages 0-1 and page 2: two runs per gather
     step(1)  # 14 tokens: the same 3 pages are gathered
     mid = plans()
     step(1)  # 15 tokens: the same 3 pages again
@@ -202,7 +203,8 @@ def test_decode_step_issues_one_record_and_one_wait_per_stream_per_offloaded_lay
     for mod in (paged_mod, transfers_mod):  # the update path, and the page traffic's own module
         monkeypatch.setattr(mod, "record", record)
         monkeypatch.setattr(mod, "wait", wait)
-    monkeypatch.setattr(transfers_mod, "on", lambda stream: contextlib.nullcontext())
+    for mod in (transfers_mod, slots_mod):  # flushes' and gathers' stream contexts
+        monkeypatch.setattr(mod, "on", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(transfers_mod, "synchronize", lambda *streams: None)
     materialize = PagedKVCache._materialize
 
@@ -432,6 +434,10 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, st
     after = (torch.cuda.memory_allocated(), cache.memory()["host_bytes"], cache.stats.gathered_on_demand)
     assert before == after
     assert made == []
+    # [Note: gather graphs]: quantized gathers (two copies and a decode) are replayed as graphs, native ones
+    # (one copy) are not; the checks below read what the replays wrote
+    graphs = [plan.graph is not None for slot in cache._slots for plan in slot.plans.values()]
+    assert any(graphs) if storage != "native" else not any(graphs), graphs
     ref = torch.cat([k0, one.expand(2, 2, 9, 32)], dim=2)
     exact = 0 if storage == "native" else 64  # the first page went through the format, the tail did not
     for layer in range(6):

@@ -74,7 +74,7 @@ def rows_of(t: torch.Tensor, lead: int) -> Rows:
     return Rows(count, expected * elt, pitch * elt)
 
 
-def _cuda_runtime() -> Any:
+def cuda_runtime() -> Any:
     """CuPy's CUDA runtime module, or None (looked up once per process)."""
     global _runtime, _runtime_checked
     if not _runtime_checked:
@@ -105,7 +105,7 @@ class RowCopy:
             )
         d, s = rows_of(dst, lead), rows_of(src, lead)
         self.dst, self.src = dst, src
-        runtime = _cuda_runtime() if dst.is_cuda != src.is_cuda else None
+        runtime = cuda_runtime() if dst.is_cuda != src.is_cuda else None
         if runtime is not None and (max(d.pitch, s.pitch) > _MAX_PITCH or d.count * d.width == 0):
             runtime = None
         self._runtime = runtime

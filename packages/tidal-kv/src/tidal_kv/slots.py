@@ -1,22 +1,32 @@
-"""Device gather slots of :class:`~tidal_kv.PagedKVCache` and the cached views of their page gathers.
+"""Device gather slots of :class:`~tidal_kv.PagedKVCache` and the cached plans of their page gathers.
 
 A decode step gathers every offloaded layer's full pages ``[0, pages)`` again, with the same tensors as the
 step before until a page fills. Building the views of such a gather (host chunk range, slot range, staging
-range for quantized pages) costs more host time than issuing its copy, so each slot keeps the views of its last gather
-per layer (:class:`GatherRun`) and rebuilds them only when the page range changes.
+range for quantized pages) costs more host time than issuing its copy, so each slot keeps the plan of its
+last gather per layer (:class:`GatherPlan`, of :class:`GatherRun` s) and rebuilds it only when the page range
+changes.
+
+[Note: gather graphs] A gather of NF4 pages is two copies and a dequantization launch: 56-77 µs of host time
+on the GPU machine, 51 of them the Triton launch (``kv-gather-host-h200-*``). From its second use a plan of
+more than one operation is captured as one CUDA graph (:class:`tidal_arena.StreamGraph`) and replayed with
+one launch. The graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only
+appended to, and the slot and the staging chunk live as long as the slot that holds the plan. Where a
+capture fails, every later gather of the process stays eager (logged once).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from tidal_arena import RowCopy
+from tidal_arena import RowCopy, StreamGraph
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, PageChunk
+from tidal_kv.streams import on
 from tidal_kv.views import KVRange, TokenRange
 
 
@@ -33,6 +43,62 @@ class GatherRun(NamedTuple):
     decode: Callable[[], Any] | None
     """Quantized storage: dequantizes the staged pages into ``dst`` (:meth:`PageChunk.decoder`); None for
     native storage, whose pages land in ``dst`` directly."""
+
+
+logger = logging.getLogger(__name__)
+_capture_failed: list[str] = []  # why a capture failed in this process (then no plan captures again)
+
+
+@dataclass(eq=False)
+class GatherPlan:
+    """The runs of one gather (a layer's pages ``[first, pages)`` into one slot), issued eagerly on first use
+    and replayed as one CUDA graph from the second (see [Note: gather graphs])."""
+
+    key: tuple[int, int]
+    """``(first, pages)``: the page range."""
+    runs: list[GatherRun]
+    """The runs in page order."""
+    pages: int = 0
+    """Pages the plan moves."""
+    uses: int = 0
+    """Times issued."""
+    graph: StreamGraph | None = None
+    """The captured plan, once captured."""
+    capture: bool = True
+    """Whether to capture on the next use (False: one operation only, or a capture failed)."""
+
+    def __post_init__(self) -> None:
+        self.pages = sum(run.m for run in self.runs)
+        ops = sum(len(run.copies) + (run.decode is not None) for run in self.runs)
+        self.capture = ops > 1  # why: a single copy costs no more to issue than a graph launch
+
+    def issue(self, stream: Any) -> None:
+        """Queue the gather on ``stream``: the H2D stream, or None on the CPU (copies run at once)."""
+        if self.graph is not None:
+            self.graph.launch(stream)  # why: on the H2D stream, so it runs while the compute stream works
+            return
+        self.uses += 1
+        if self.uses > 1 and self.capture and stream is not None and not _capture_failed:
+            self.capture = False  # one attempt per plan
+            try:
+                self.graph = StreamGraph.capture(stream, lambda: self._queue(stream))
+            except RuntimeError as exc:  # e.g. a decoder that allocates: stay eager, and say why once
+                _capture_failed.append(str(exc))
+                logger.warning("page gathers stay uncaptured in this process: %s", exc)
+            if self.graph is not None:
+                self.graph.launch(stream)  # why: see above
+                return
+        self._queue(stream)
+
+    def _queue(self, stream: Any) -> None:
+        """Issue every run's copies and dequantization on ``stream``, one call each."""
+        for run in self.runs:
+            for copy in run.copies:
+                copy(stream)  # why: on the H2D stream, so it runs while the compute stream works
+            if run.decode is not None:
+                # why: the dequantization reads the staging the copies above fill: same stream, in order
+                with on(stream):
+                    run.decode()
 
 
 @dataclass(eq=False)
@@ -56,8 +122,8 @@ class Slot:
     v: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[1]
     kv_at: TokenRange = field(init=False)  # token ranges of kv, [2, B, H, n, D]
     both: KVRange = field(init=False)  # ... of k and v, [B, H, n, D] each
-    # layer -> ((first, pages), runs) of the last gather of that layer into this slot
-    plans: dict[int, tuple[tuple[int, int], list[GatherRun]]] = field(init=False, default_factory=dict)
+    # layer -> the plan of the last gather of that layer into this slot
+    plans: dict[int, GatherPlan] = field(init=False, default_factory=dict)
     # page index -> kv's [2, B, H, P, D] view of that page (see `page`)
     _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
@@ -73,7 +139,7 @@ class Slot:
             view = self._pages[index] = self.kv_at(index * page_tokens, page_tokens)
         return view
 
-    def gather_runs(
+    def gather_plan(
         self,
         layer: int,
         first: int,
@@ -81,8 +147,8 @@ class Slot:
         chunks: list[PageChunk],
         layout: ChunkLayout,
         stage: PageChunk | None,
-    ) -> list[GatherRun]:
-        """The runs that gather ``layer``'s pages ``[first, pages)`` from ``chunks`` into this slot.
+    ) -> GatherPlan:
+        """The plan that gathers ``layer``'s pages ``[first, pages)`` from ``chunks`` into this slot.
 
         Args:
             layer: The offloaded layer (the cache key, with the page range).
@@ -94,12 +160,12 @@ class Slot:
                 None.
 
         Returns:
-            The runs in page order; cached, so the same range returns the same views without rebuilding them.
+            The plan; cached, so the same range returns the same plan (views, graph) without rebuilding it.
         """
         key = (first, pages)
         hit = self.plans.get(layer)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        if hit is not None and hit.key == key:
+            return hit
         p, cp = layout.page_tokens, layout.chunk_pages
         runs = []
         page = first
@@ -115,8 +181,8 @@ class Slot:
                 copies = (RowCopy(staged.data, src.data, 3), RowCopy(staged.scale, src.scale, 3))
                 runs.append(GatherRun(m, dst, copies, staged.decoder(dst)))
             page += m
-        self.plans[layer] = (key, runs)
-        return runs
+        plan = self.plans[layer] = GatherPlan(key, runs)
+        return plan
 
 
 def pick_slot(

@@ -53,20 +53,12 @@ class PageTransfers:
             wait(h2d, flushed)
         # the decode step's case: the same pages as the last gather of this layer into this slot
         plan = slot.plans.get(layer)
-        if plan is not None and plan[0] == (first, pages):
-            runs = plan[1]
-        else:
-            runs = slot.gather_runs(
+        if plan is None or plan.key != (first, pages):
+            plan = slot.gather_plan(
                 layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
             )
-        for run in runs:
-            for copy in run.copies:
-                copy(h2d)  # why: on the H2D stream, so it runs while the compute stream works
-            if run.decode is not None:
-                # why: the dequantization reads the staging the copies above fill: same stream, in order
-                with on(h2d):
-                    run.decode()
-            self.stats.h2d_bytes += run.m * self._page_bytes
+        plan.issue(h2d)
+        self.stats.h2d_bytes += plan.pages * self._page_bytes
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
         slot.pages = pages

@@ -6,12 +6,14 @@ range for quantized pages) costs more host time than issuing its copy, so each s
 last gather per layer (:class:`GatherPlan`, of :class:`GatherRun` s) and rebuilds it only when the page range
 changes.
 
-[Note: gather graphs] A gather of NF4 pages is two copies and a dequantization launch: 56-77 µs of host time
-on the GPU machine, 51 of them the Triton launch (``kv-gather-host-h200-*``). From its second use a plan of
-more than one operation is captured as one CUDA graph (:class:`tidal_arena.StreamGraph`) and replayed with
-one launch. The graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only
-appended to, and the slot and the staging chunk live as long as the slot that holds the plan. Where a
-capture fails, every later gather of the process stays eager (logged once).
+[Note: gather graphs] A gather of NF4 pages is two copies and a dequantization launch: 61 µs of host time
+on the GPU machine issued call by call, most of it the Triton launch; fp8's 52 (``kv-host-costs-gathers-*``).
+From its second use a plan of more than one operation is captured as one CUDA graph
+(:class:`tidal_arena.StreamGraph`) and replayed with one launch, 6.5 µs. An 8B decode step with NF4 pages
+went from 0.78-0.81 to 0.87-0.89x DynamicCache at 32k x 1 and 4k x 1 (``kv-variants-nf4-graphs-*``). The
+graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only appended to, and
+the slot and the staging chunk live as long as the slot that holds the plan. Where a capture fails, every
+later gather of the process stays eager (logged once).
 """
 
 from __future__ import annotations

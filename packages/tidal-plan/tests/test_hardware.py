@@ -1,4 +1,5 @@
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -211,13 +212,13 @@ H200_FIGURES = {
 
 
 def _both_directions_gbps() -> tuple[float, list[tuple[float, float, float]]]:
-    """H2D and D2H of 256 MiB at once (pinned, one stream each), best of 5, timed on the device.
+    """H2D and D2H of 256 MiB at once (pinned, one stream each), median of 5, timed on the device.
 
     Both copies are queued behind a device-side sleep before either can start, so a busy host issuing the
     second copy late cannot serialize them; the time runs from the gate opening to the later copy's end.
 
     Returns:
-        The best rate (GB/s) and every counted round as (GB/s, H2D end ms, D2H end ms) after the gate: the
+        The median rate (GB/s; the profile reports a median too) and every counted round as (GB/s, H2D end ms, D2H end ms) after the gate: the
         copies overlapped when both end near the later one's time, and ran one after the other when one end
         is about half of the other (suite runs have read ~56 GB/s, one direction's rate, in most rounds).
     """
@@ -246,7 +247,7 @@ def _both_directions_gbps() -> tuple[float, list[tuple[float, float, float]]]:
         if round_:
             up_ms, down_ms = (gate.elapsed_time(e) for e in ends)
             rounds.append((round(2 * n / max(up_ms, down_ms) / 1e6, 1), round(up_ms, 2), round(down_ms, 2)))
-    return max(r[0] for r in rounds), rounds
+    return statistics.median(r[0] for r in rounds), rounds
 
 
 @pytest.mark.gpu
@@ -274,7 +275,9 @@ def test_cuda_profile_matches_the_machine_figures(tmp_path, monkeypatch):
         # before anything else here touches the device. The whole-budget allocation below used to come
         # between them; in suite order (after tidal-plan's census test) the copies measured after it ran one
         # after the other (55-56 GB/s) in the first or in every round, and the test failed; measured first,
-        # it read 95-102 GB/s in every round (benchmarks/results/diag-link-order-h200-2026-11-30.txt).
+        # it read 95-102 GB/s in every round (benchmarks/results/diag-link-order-h200-2026-11-30.txt). Both
+        # sides are medians: against the best of the five rounds, a profile of 91.0 failed by 0.3 GB/s in a
+        # suite run whose rounds read 96.2-101.4 (median 97.7; gpu-suite-h200-2026-11-30-z.txt).
         direct, rounds = _both_directions_gbps()
         print(f"both directions: profile {p.bidir_gbps:.1f} GB/s, direct {direct:.1f} GB/s, rounds {rounds}")
         assert abs(p.bidir_gbps - direct) <= 0.10 * direct, (p.bidir_gbps, direct, rounds)

@@ -29,7 +29,7 @@ class FakeRuntime:
 
 class FakeStream:
     cuda_stream = 7
-    device = "cuda:0"
+    device = torch.device("cuda:0")
 
 
 @pytest.fixture
@@ -38,6 +38,8 @@ def fake(monkeypatch):
     allocations = [0]
     monkeypatch.setattr(graphs_mod, "cuda_runtime", lambda: runtime)
     monkeypatch.setattr(graphs_mod.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(graphs_mod.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(graphs_mod, "_current_device", lambda: 0)
     monkeypatch.setattr(
         graphs_mod.torch.cuda, "memory_stats", lambda device: {"allocation.all.allocated": allocations[0]}
     )
@@ -127,3 +129,20 @@ def test_gpu_capturing_an_allocation_is_refused_and_the_stream_still_works():
         x.mul_(3)
     side.synchronize()  # why: the stream's work must finish before x is read
     assert torch.equal(x.cpu(), torch.full((1024,), 3.0))
+
+
+def test_a_launch_while_another_device_is_current_switches_to_the_graphs_device(fake, monkeypatch):
+    runtime, _ = fake
+    graph = StreamGraph.capture(FakeStream(), lambda: None)
+    entered = []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(graphs_mod.torch.cuda, "device", device)
+    graph.launch(FakeStream())  # cuda:0 current: no switch
+    monkeypatch.setattr(graphs_mod, "_current_device", lambda: 1)
+    graph.launch(FakeStream())
+    assert entered == [0] and [c[0] for c in runtime.calls].count("graphLaunch") == 2

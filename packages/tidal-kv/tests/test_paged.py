@@ -453,6 +453,36 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, st
             )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="a cache on a GPU that is not the current one needs two"
+)
+@pytest.mark.parametrize("storage", ["native", "nf4"])
+def test_cuda_cache_on_a_gpu_that_is_not_the_current_one(storage):
+    """A model on cuda:1 while cuda:0 is current: page copies and gather graphs act on the cache's device, and
+    every step returns what the same cache on cuda:0 returns."""
+    assert torch.cuda.current_device() == 0
+    steps = {}
+    for dev in ("cuda:0", "cuda:1"):
+        cache = PagedKVCache(6, 256, resident_layers=3, page_tokens=64, device=dev, storage=storage)
+        g = torch.Generator().manual_seed(0)
+        k0 = torch.randn(2, 2, 150, 32, generator=g).to(dev)
+        for layer in range(6):
+            cache.update(layer, k0, -k0)
+        out = []
+        for _ in range(6):  # the same two full pages each step: gathers are replayed from the second on
+            one = torch.randn(2, 2, 1, 32, generator=g).to(dev)
+            for layer in range(6):
+                k, v = cache.update(layer, one, -one)
+                out.append((k.cpu(), v.cpu()))  # a slot view is valid until the next update: read it now
+        steps[dev] = out
+        graphs = [plan.graph is not None for slot in cache._slots for plan in slot.plans.values()]
+        assert any(graphs) == (storage != "native"), graphs
+    assert torch.cuda.current_device() == 0
+    for (k0_, v0_), (k1_, v1_) in zip(steps["cuda:0"], steps["cuda:1"], strict=True):
+        assert torch.equal(k0_, k1_) and torch.equal(v0_, v1_)
+
+
 def test_kv_that_require_grad_are_refused_in_grad_mode():
     """The cache cannot carry autograd history: with grad mode on, K/V that require grad get a clear error
     (not an autograd error from deep inside a slot write); under no_grad the same tensors are cached."""

@@ -18,6 +18,8 @@ from tidal_arena.rows import cuda_runtime
 #: cudaStreamCaptureModeThreadLocal: only this thread's unsafe calls (a cudaMalloc) break the capture
 _THREAD_LOCAL = 1
 _ALLOCATIONS = "allocation.all.allocated"  # torch's count of device allocations made so far
+# the current CUDA device's index, without torch.cuda.current_device()'s lazy-init check (launch calls it)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 class StreamGraph:
@@ -27,10 +29,11 @@ class StreamGraph:
     touch must outlive the graph and stay where it is (preallocated buffers, page-locked host memory).
     """
 
-    __slots__ = ("_exec", "_graph", "_runtime")
+    __slots__ = ("_device", "_exec", "_graph", "_runtime")
 
-    def __init__(self, runtime: Any, graph: int, exec_: int) -> None:
+    def __init__(self, runtime: Any, graph: int, exec_: int, device: int) -> None:
         self._runtime, self._graph, self._exec = runtime, graph, exec_
+        self._device = device  # the stream's device: captured, instantiated and launched with it current
 
     @classmethod
     def capture(cls, stream: torch.cuda.Stream, issue: Callable[[], None]) -> StreamGraph | None:
@@ -54,6 +57,13 @@ class StreamGraph:
         runtime = cuda_runtime()
         if runtime is None:
             return None
+        # why: CuPy's calls act on the current device; the stream may belong to another one
+        with torch.cuda.device(stream.device):
+            return cls._capture(runtime, stream, issue)
+
+    @classmethod
+    def _capture(cls, runtime: Any, stream: torch.cuda.Stream, issue: Callable[[], None]) -> StreamGraph:
+        """:meth:`capture` with the stream's device current."""
         handle = stream.cuda_stream
         before = torch.cuda.memory_stats(stream.device).get(_ALLOCATIONS, 0)
         runtime.streamBeginCapture(handle, _THREAD_LOCAL)
@@ -76,11 +86,15 @@ class StreamGraph:
         except BaseException:
             runtime.graphDestroy(graph)
             raise
-        return cls(runtime, graph, exec_)
+        return cls(runtime, graph, exec_, stream.device.index)
 
     def launch(self, stream: torch.cuda.Stream) -> None:
-        """Queue the captured work on ``stream``, after what is queued there already."""
-        self._runtime.graphLaunch(self._exec, stream.cuda_stream)
+        """Queue the captured work on ``stream`` (of the captured stream's device), after what is queued there."""
+        if _current_device() == self._device:
+            self._runtime.graphLaunch(self._exec, stream.cuda_stream)
+            return
+        with torch.cuda.device(self._device):  # why: a model on another GPU than the current one
+            self._runtime.graphLaunch(self._exec, stream.cuda_stream)
 
     def __del__(self) -> None:
         # CUDA frees a graph still in flight once it completes; at interpreter shutdown there is nothing to free

@@ -106,3 +106,26 @@ def test_import_is_light():
     code = "import sys, tidal_quant; bad = {'triton', 'bitsandbytes'} & set(sys.modules); assert not bad, bad"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="a weight on a GPU that is not the current one needs two"
+)
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_cuda_kernels_run_on_the_weights_gpu_when_another_one_is_current(fmt):
+    """Triton launches on the current device: a weight on cuda:1 with cuda:0 current must still quantize,
+    dequantize and multiply on cuda:1, to the same results as on cuda:0."""
+    assert torch.cuda.current_device() == 0
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g).to(torch.bfloat16)
+    x = torch.randn(4, 512, generator=g).to(torch.bfloat16)
+    results = {}
+    for dev in ("cuda:0", "cuda:1"):
+        qw = tq.quantize(w.to(dev), fmt)
+        y = tq.quant_linear(x.to(dev), qw)
+        assert y.device == torch.device(dev)
+        results[dev] = (tq.dequantize(qw, torch.bfloat16).cpu(), y.cpu())
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(results["cuda:0"], results["cuda:1"], strict=True):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ is one fp32 multiply per element, and e4m3 scales are decoded bit by bit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -20,6 +21,16 @@ from tidal_quant.reference import NF4_ABSMAX_FLOOR, e2m1_table, nf4_code
 _RNE_MAGIC = 12582912.0  # 1.5 * 2**23
 FMT_INT8, FMT_NF4, FMT_NVFP4, FMT_FP8 = 0, 1, 2, 3
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+# the current CUDA device's index: a C call (torch.cuda.current_device() adds a lazy-init check)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """For a kernel launch on ``t``'s device: Triton launches on the current device (and its current stream),
+    so ``t``'s device is made current when it is not (a model on a GPU other than the current one)."""
+    index = t.device.index
+    return _SAME_DEVICE if index is None or index == _current_device() else torch.cuda.device(index)
 
 
 def table(name: str, device: torch.device) -> torch.Tensor:
@@ -143,7 +154,8 @@ def quantize_blocks(w: torch.Tensor, block_size: int, nf4: bool) -> tuple[torch.
     s = torch.empty(nb, dtype=torch.float32, device=w.device)
     bsp = _pow2(block_size)
     rows = max(1, 4096 // bsp)
-    _quant_blocks_kernel[(triton.cdiv(nb, rows),)](w, q, s, numel, nb, block_size, bsp, rows, nf4)
+    with device_of(w):
+        _quant_blocks_kernel[(triton.cdiv(nb, rows),)](w, q, s, numel, nb, block_size, bsp, rows, nf4)
     return q, s
 
 
@@ -166,7 +178,8 @@ def quantize_nvfp4_codes(w: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     w = w.contiguous()
     q = torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device)
     n = q.numel()
-    _nvfp4_quant_kernel[(triton.cdiv(n, 1024),)](w, eff.contiguous(), q, n, 1024)
+    with device_of(w):
+        _nvfp4_quant_kernel[(triton.cdiv(n, 1024),)](w, eff.contiguous(), q, n, 1024)
     return q
 
 
@@ -332,6 +345,7 @@ class DequantLaunch:
         "_dtype",
         "_fn",
         "_grid",
+        "_index",
         "_shape",
         "_size",
         "_warps",
@@ -342,6 +356,7 @@ class DequantLaunch:
         self._fn, self._grid, self._warps = fn, grid, warps
         self._before, self._after = before, after  # kernel arguments before / after the output's
         self._size, self._dtype, self._device = size, dtype, device  # the buffer allocated per launch
+        self._index = device.index  # launched with this device current (see `device_of`)
         self._word = word  # dtype the kernel writes the buffer as (None: the buffer's own)
         self._shape = shape  # the result's shape (a prefix of the flat buffer), None: the buffer itself
 
@@ -360,7 +375,11 @@ class DequantLaunch:
 
     def into_words(self, words: torch.Tensor) -> None:
         """:meth:`into` with ``out`` already viewed as the words the kernel writes (see ``word``)."""
-        self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
+        if self._index is None or self._index == _current_device():
+            self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
+            return
+        with torch.cuda.device(self._index):  # why: see `device_of`
+            self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
 
 
 def dequant_launch(
@@ -585,8 +604,9 @@ def fused_matmul(
     sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     smode = scale_mode(block_size, bk)
-    _qmm_kernel[grid](
-        x, data, sc, g, tab, y, m, n, x.stride(0), k, fmt_id, block_size, bm, bn, bk, smode,
-        k // bk // split, **launch,
-    )  # fmt: skip
+    with device_of(x):
+        _qmm_kernel[grid](
+            x, data, sc, g, tab, y, m, n, x.stride(0), k, fmt_id, block_size, bm, bn, bk, smode,
+            k // bk // split, **launch,
+        )  # fmt: skip
     return y if split == 1 else y.sum(0).to(x.dtype)  # [M, N]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, dequant_launch
+from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, dequant_launch, device_of
 from tidal_quant.reference import CODE_MAX
 
 
@@ -35,7 +35,8 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
     r, c = x.shape
     src = x.view(torch.uint8)
     out = torch.empty(c, r, dtype=torch.uint8, device=x.device)
-    _transpose_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](src, out, r, c, 64, 64)
+    with device_of(x):
+        _transpose_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](src, out, r, c, 64, 64)
     return out.view(x.dtype)
 
 
@@ -121,7 +122,8 @@ def quantize_rows_fp8(
     s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     c = col_scale.contiguous() if col_scale is not None else s
     block, warps = config or rows_fp8_config(k)
-    _rows_fp8_kernel[(t,)](x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=warps)
+    with device_of(x):
+        _rows_fp8_kernel[(t,)](x, c, q, s, x.stride(0), k, col_scale is not None, block, num_warps=warps)
     return q, s
 
 
@@ -170,7 +172,8 @@ def row_scales(
     nsb = triton.next_power_of_2(per_row)
     bn = max(1, _SCALES_PER_PROGRAM // nsb)
     rs = torch.empty(2, n, dtype=torch.float32, device=scales.device)
-    _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], CODE_MAX[fmt], bn)
+    with device_of(scales):
+        _row_scales_kernel[(triton.cdiv(n, bn),)](sc, g, rs, n, per_row, nsb, _FMT[fmt], CODE_MAX[fmt], bn)
     return rs
 
 

@@ -10,7 +10,7 @@ changes.
 on the GPU machine issued call by call, most of it the Triton launch; fp8's 52 (``kv-host-costs-gathers-*``).
 From its second use a plan of more than one operation is captured as one CUDA graph
 (:class:`tidal_arena.StreamGraph`) and replayed with one launch, 6.5 µs. An 8B decode step with NF4 pages
-went from 0.78-0.81 to 0.87-0.89x DynamicCache at 32k x 1 and 4k x 1 (``kv-variants-nf4-graphs-*``). The
+went from 0.78-0.81 to 0.87-0.90x DynamicCache at 32k x 1 and 4k x 1 (``kv-variants-nf4-graphs-*``). The
 graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only appended to, and
 the slot and the staging chunk live as long as the slot that holds the plan. Where a capture fails, every
 later gather of the process stays eager (logged once).
@@ -60,8 +60,6 @@ class GatherPlan:
     """``(first, pages)``: the page range."""
     runs: list[GatherRun]
     """The runs in page order."""
-    pages: int = 0
-    """Pages the plan moves."""
     uses: int = 0
     """Times issued."""
     graph: StreamGraph | None = None
@@ -70,7 +68,6 @@ class GatherPlan:
     """Whether to capture on the next use (False: one operation only, or a capture failed)."""
 
     def __post_init__(self) -> None:
-        self.pages = sum(run.m for run in self.runs)
         ops = sum(len(run.copies) + (run.decode is not None) for run in self.runs)
         self.capture = ops > 1  # why: a single copy costs no more to issue than a graph launch
 

@@ -58,7 +58,7 @@ class PageTransfers:
                 layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
             )
         plan.issue(h2d)
-        self.stats.h2d_bytes += plan.pages * self._page_bytes
+        self.stats.h2d_bytes += (pages - first) * self._page_bytes
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
         slot.pages = pages

@@ -9,28 +9,18 @@ is one fp32 multiply per element, and e4m3 scales are decoded bit by bit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal_quant._device import device_at, device_of
 from tidal_quant.reference import NF4_ABSMAX_FLOOR, e2m1_table, nf4_code
 
 _RNE_MAGIC = 12582912.0  # 1.5 * 2**23
 FMT_INT8, FMT_NF4, FMT_NVFP4, FMT_FP8 = 0, 1, 2, 3
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
-# the current CUDA device's index: a C call (torch.cuda.current_device() adds a lazy-init check)
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-_SAME_DEVICE = contextlib.nullcontext()
-
-
-def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """For a kernel launch on ``t``'s device: Triton launches on the current device (and its current stream),
-    so ``t``'s device is made current when it is not (a model on a GPU other than the current one)."""
-    index = t.device.index
-    return _SAME_DEVICE if index is None or index == _current_device() else torch.cuda.device(index)
 
 
 def table(name: str, device: torch.device) -> torch.Tensor:
@@ -356,7 +346,7 @@ class DequantLaunch:
         self._fn, self._grid, self._warps = fn, grid, warps
         self._before, self._after = before, after  # kernel arguments before / after the output's
         self._size, self._dtype, self._device = size, dtype, device  # the buffer allocated per launch
-        self._index = device.index  # launched with this device current (see `device_of`)
+        self._index = device.index  # launched with this device current (see `tidal_quant._device`)
         self._word = word  # dtype the kernel writes the buffer as (None: the buffer's own)
         self._shape = shape  # the result's shape (a prefix of the flat buffer), None: the buffer itself
 
@@ -375,10 +365,7 @@ class DequantLaunch:
 
     def into_words(self, words: torch.Tensor) -> None:
         """:meth:`into` with ``out`` already viewed as the words the kernel writes (see ``word``)."""
-        if self._index is None or self._index == _current_device():
-            self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
-            return
-        with torch.cuda.device(self._index):  # why: see `device_of`
+        with device_at(self._index):
             self._fn[self._grid](*self._before, words, *self._after, num_warps=self._warps)
 
 

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, dequant_launch, device_of
+from tidal_quant._device import device_of
+from tidal_quant._triton import FMT_INT8, FMT_NF4, FMT_NVFP4, _decode_e4m3, _pow2, dequant_launch
 from tidal_quant.reference import CODE_MAX
 
 

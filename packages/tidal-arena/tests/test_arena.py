@@ -354,20 +354,32 @@ def test_gpu_blocks_are_pinned_per_torch(rand_bytes):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mib", [64, 256])
-def test_gpu_h2d_d2h_bandwidth_from_arena_blocks(mib, rand_bytes, copy_gbps):
+def test_gpu_arena_blocks_copy_as_fast_as_torch_pinned_memory(mib, rand_bytes, copy_gbps):
+    """An arena block moves over the link at the speed of torch's own pinned memory, both ways.
+
+    The reference is measured in the same rounds, so the check holds on any machine's link: a block
+    that were not page-locked would go through the driver's staging buffers at a fraction of it.
+    """
     n = mib * MiB
     with PinnedArena(ArenaConfig(backend="cupy", slab_bytes=n)) as arena:
-        host = arena.alloc(n).tensor(torch.uint8)
-        host.copy_(rand_bytes(n, mib))
+        ours = arena.alloc(n).tensor(torch.uint8)
+        ours.copy_(rand_bytes(n, mib))
+        theirs = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-        h2d = copy_gbps(host, dev)
-        assert torch.equal(dev[:4096].cpu(), host[:4096]) and torch.equal(dev[-4096:].cpu(), host[-4096:])
-        dev.add_(1)  # different data back
-        d2h = copy_gbps(dev, host)
-        assert torch.equal(host[:4096], dev[:4096].cpu())
-        print(f"\narena {mib} MiB: H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
-        assert h2d >= 50.0, f"H2D from an arena block: {h2d:.1f} GB/s < 50"
-        assert d2h >= 50.0, f"D2H into an arena block: {d2h:.1f} GB/s < 50"
+        rates: dict[str, list[float]] = {k: [] for k in ("h2d", "h2d_ref", "d2h", "d2h_ref")}
+        for _ in range(3):  # alternate the two sides, so drift in the link hits both alike
+            rates["h2d"].append(copy_gbps(ours, dev))
+            rates["h2d_ref"].append(copy_gbps(theirs, dev))
+            rates["d2h"].append(copy_gbps(dev, ours))
+            rates["d2h_ref"].append(copy_gbps(dev, theirs))
+        med = {k: sorted(v)[1] for k, v in rates.items()}
+        print(f"\narena {mib} MiB, GB/s (median of 3):", {k: round(v, 1) for k, v in med.items()})
+        dev.fill_(7)
+        ours.copy_(dev)
+        assert torch.equal(ours[:4096], dev[:4096].cpu()) and int(ours[-1]) == 7
+        for way in ("h2d", "d2h"):
+            ratio = med[way] / med[f"{way}_ref"]
+            assert ratio >= 0.9, f"{way} with an arena block: {med[way]:.1f} GB/s, {ratio:.2f}x torch pinned"
 
 
 @pytest.mark.gpu

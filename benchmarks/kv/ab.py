@@ -4,13 +4,15 @@
 # on this machine: the baseline's tidal-kv sources into an ignored folder, carried to the GPU machine
 git archive <rev> packages/tidal-kv/src | tar -x -C .diag/base
 python3 benchmarks/kv/ab.py --baseline .diag/base/packages/tidal-kv/src --context 4096 --steps 120
+python3 benchmarks/kv/ab.py --baseline .diag/base/packages/tidal-kv/src --storage nf4  # both over NF4 pages
 python3 benchmarks/kv/ab.py --baseline packages/tidal-kv/src --smoke   # tiny Llama on the CPU
 ```
 
 At batch 1 a decode step is bound by the host, and the host's speed drifts between processes by more than a
 host-path change moves the step (three runs in a row of one version read 0.893-0.900x DynamicCache). Here
 the baseline's ``PagedKVCache`` (copied under another package name, ``tidal_kv_base``, with its imports
-rewritten) serves ``tidal-base``, a TidalCache built like ``tidal``'s, and both step in the same rotated
+rewritten) serves ``tidal-base``, a TidalCache built like ``tidal``'s (``tidal-fp8``'s or ``tidal-nf4``'s with
+``--storage``), and both step in the same rotated
 rounds as DynamicCache: the ``paired_ratio`` columns of the two compare the versions on the same host.
 """
 
@@ -94,21 +96,38 @@ def with_packages(make_cache: Any, packages: dict[str, Any], like: str = "tidal"
     return make
 
 
+STORAGES = ("native", "fp8", "nf4")
+
+
+def pop_storage(argv: list[str]) -> str:
+    """Remove ``--storage FORMAT`` from ``argv``; the engine whose TidalCache keeps pages in that format
+    (``tidal``, ``tidal-fp8`` or ``tidal-nf4``; ``tidal`` when the option is absent)."""
+    storage = "native"
+    if "--storage" in argv:
+        i = argv.index("--storage")
+        storage = argv[i + 1] if i + 1 < len(argv) else ""
+        if storage not in STORAGES:
+            raise SystemExit(f"--storage={storage!r} is not accepted: expected one of {', '.join(STORAGES)}")
+        del argv[i : i + 2]
+    return "tidal" if storage == "native" else f"tidal-{storage}"
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
+    like = pop_storage(argv)
     if "--baseline" not in argv:
         raise SystemExit("ab.py needs --baseline SRC (a tidal-kv src folder; see the module docstring)")
     i = argv.index("--baseline")
     src = Path(argv[i + 1])
     del argv[i : i + 2]
     if "--engines" not in argv:
-        argv += ["--engines", "dynamic,tidal,tidal-base,tidal-resident"]
+        argv += ["--engines", f"dynamic,{like},tidal-base,tidal-resident"]
     import decode_worker
     import interleaved
 
     with tempfile.TemporaryDirectory() as tmp:
         base = load_baseline(src, Path(tmp))
-        decode_worker.make_cache = with_packages(decode_worker.make_cache, {"tidal-base": base})
+        decode_worker.make_cache = with_packages(decode_worker.make_cache, {"tidal-base": base}, like)
         print(f"tidal-base: PagedKVCache from {src}", flush=True)
         return interleaved.main(argv)
 

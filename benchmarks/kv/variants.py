@@ -16,7 +16,7 @@ With ``--storage fp8`` or ``nf4`` the variants and the measured engine (``tidal-
 
 - ``tidal-nocopy``: no page copy and no dequantization is issued (the slot holds stale K/V: timing only);
 - ``tidal-noev``: no CUDA event is recorded or waited on (copies unordered: timing only);
-- ``tidal-bare``: both, leaving the offloaded path's Python and its token and tail-page copies;
+- ``tidal-bare``: both, leaving the offloaded path's Python and its token copies;
 - ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order);
 - ``tidal-eager``: gathers never replayed as CUDA graphs (see [Note: gather graphs] in ``tidal_kv.slots``);
 - ``tidal-3slots``: three gather slots (not in the default list: an A/B of ``--slots`` in the same rounds).
@@ -41,7 +41,6 @@ SRC = HERE.parents[1] / "packages" / "tidal-kv" / "src"
 DEFAULT_ENGINES = (
     "dynamic,tidal,tidal-resident,tidal-nocopy,tidal-noev,tidal-bare,tidal-onestream,tidal-eager"
 )
-STORAGES = ("native", "fp8", "nf4")
 
 
 def _replace(files: dict[str, str], module: str, old: str, new: str) -> None:
@@ -108,17 +107,11 @@ VARIANTS = {
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    storage = "native"
-    if "--storage" in argv:
-        i = argv.index("--storage")
-        storage = argv[i + 1] if i + 1 < len(argv) else ""
-        if storage not in STORAGES:
-            raise SystemExit(f"--storage={storage!r} is not accepted: expected one of {', '.join(STORAGES)}")
-        del argv[i : i + 2]
-    like = "tidal" if storage == "native" else f"tidal-{storage}"
+    import ab
+
+    like = ab.pop_storage(argv)
     if "--engines" not in argv:
         argv += ["--engines", DEFAULT_ENGINES.replace("dynamic,tidal,", f"dynamic,{like},")]
-    import ab
     import decode_worker
     import interleaved
 

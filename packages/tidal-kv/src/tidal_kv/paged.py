@@ -4,7 +4,9 @@
 K/V that :meth:`PagedKVCache.update` returns for an offloaded layer stay valid until the next ``update`` call
 (of any layer): that next call is where the slot is handed back and may be refilled. This is exactly the
 order of a decoder stack (layer l attends before layer l+1 computes its K/V). Host pages are only ever
-appended; the one partial page of each offloaded layer stays on the device (its "tail").
+appended; the one partial page of each offloaded layer stays on the device: in the slot the layer last used,
+saved to the layer's "tail" page when another layer takes that slot (see [Note: partial pages] in
+:mod:`tidal_kv.slots`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
 from tidal_kv.streams import CurrentStream, ranged, record, wait
 from tidal_kv.transfers import PageTransfers
-from tidal_kv.views import KVRange, TailPage
+from tidal_kv.views import KVBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +160,13 @@ class PagedKVCache(PageTransfers):
         """
         # [Note: decode host path] a batch-1 decode step is bound by the host, and this runs once per layer
         # and step. A decode token's update (one token; for an offloaded layer, its slot prefetched and no
-        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`, with views made once where
-        # steps repeat them (`TailPage.token`, `Slot.page`); everything else (prefill, page boundaries,
-        # on-demand gathers, growth, the first update) takes `_update`, which checks and explains. Measured:
-        # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
-        # in a whole 8B decode step on the GPU machine the gain stayed inside the rounds' spread
-        # (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`).
+        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`: both write the token into a
+        # [2, B, H, T, D] buffer (`KVBuffer.append`: one launch for K and V) and return its views; everything
+        # else (prefill, page boundaries, on-demand gathers, growth, the first update) takes `_update`, which
+        # checks and explains. Measured: the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to
+        # 16-17 µs per layer on a CPU; in a whole 8B decode step on the GPU machine the gains of this path, of
+        # the one-launch write and of writing an offloaded layer's token once ([Note: partial pages]) stayed
+        # inside the rounds' spread (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`, `kv-ab-partial-pages-*`).
         if (
             type(layer) is int
             and 0 <= layer < self._num_layers
@@ -214,19 +217,14 @@ class PagedKVCache(PageTransfers):
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        s, p = self._lengths[layer], self._page_tokens
-        page, t = divmod(s, p)
-        tail = self._tails[layer]
-        wk, wv = tail.token(t)  # [B, H, 1, D] each
-        wk.copy_(k)
-        wv.copy_(v)
-        # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
-        # goes behind the gathered pages
-        slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
+        s = self._lengths[layer]
+        # the partial page is in place behind the gathered pages: the token goes there, as a resident layer's
+        out = slot.at.append(s, k, v)  # [B, H, s + 1, D] each
+        slot.unsaved = True
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)
-        return slot.both.upto(s + 1)
+        return out
 
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` in general: checks every argument, materializes, grows, gathers on demand."""
@@ -288,7 +286,10 @@ class PagedKVCache(PageTransfers):
             if src.scale is not None:
                 kv = decode_pages(kv, src.scale.to(self._device), self._storage, self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
-        out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
+        if n > full * p:
+            held = next((sl for sl in self._slots if sl.owner == layer and sl.partial), None)
+            partial = held.page(full, p) if held is not None else self._tails[layer]  # [2, B, H, P, D]
+            out[:, :, :, full * p :].copy_(partial[:, :, :, : n - full * p])
         return out[0], out[1]
 
     def reset(self) -> None:
@@ -299,6 +300,7 @@ class PagedKVCache(PageTransfers):
         self._current = None
         for slot in self._slots:
             slot.owner, slot.pages, slot.ready, slot.free_after = None, 0, None, None
+            slot.partial, slot.unsaved, slot.evicted = False, False, None
         self._flush_done = {}
 
     def memory(self) -> dict[str, Any]:
@@ -311,12 +313,10 @@ class PagedKVCache(PageTransfers):
             VRAM would take at this capacity) and ``device_bytes_saved``.
         """
         dev = 0
-        for kv_at in self._res_at.values():
-            dev += 2 * kv_at.k.numel() * kv_at.k.element_size()
-        for s in self._slots:
-            dev += 2 * s.k.numel() * s.k.element_size()
-        for tail_page in self._tails.values():
-            dev += tail_page.buf.numel() * tail_page.buf.element_size()
+        for buf in (*(at.buf for at in self._res_at.values()), *(s.kv for s in self._slots)):
+            dev += buf.numel() * buf.element_size()
+        for tail in self._tails.values():
+            dev += tail.numel() * tail.element_size()
         for st in (self._h2d_stage, self._d2h_stage):
             dev += st.nbytes if st is not None else 0
         all_res = 0
@@ -375,10 +375,10 @@ class PagedKVCache(PageTransfers):
             self._pool.release()
         self._shape = None
         self._pool: HostPagePool | None = None
-        # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
-        self._res_at: dict[int, KVRange] = {}
-        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D])
-        self._tails: dict[int, TailPage] = {}
+        # resident layer -> its [2, B, H, cap, D] K/V buffer, as token ranges (`.buf` is the buffer)
+        self._res_at: dict[int, KVBuffer] = {}
+        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D]) while no slot holds it
+        self._tails: dict[int, torch.Tensor] = {}
         self._host: dict[int, list[PageChunk]] = {}
         self._slots: list[Slot] = []
         self._pending: dict[int, Slot] = {}
@@ -417,7 +417,7 @@ class PagedKVCache(PageTransfers):
         if self._cuda:
             self._current_stream = CurrentStream(self._device)
         for layer in self._resident:
-            self._set_resident(layer, *self._empty_kv(self._capacity))
+            self._res_at[layer] = KVBuffer(self._empty_kv(self._capacity))
         if not self._offloaded:
             return
         if self._cuda:
@@ -433,12 +433,11 @@ class PagedKVCache(PageTransfers):
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
-            tail = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
-            self._tails[layer] = TailPage(tail)
+            self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
-        self._slots = [Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
+        self._slots = [Slot(self._empty_kv(self._capacity)) for _ in range(n_slots)]
         self._ahead = [prefetch_order(layer, self._offloaded, n_slots) for layer in range(c.num_layers)]
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
@@ -448,17 +447,10 @@ class PagedKVCache(PageTransfers):
         self._h2d_stage = device_chunk(self._chunk_layout, self._device) if quantized else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
-    def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._res_at[layer] = KVRange(k, v)
-
-    def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _empty_kv(self, cap: int) -> torch.Tensor:
+        """An uninitialized ``[2, B, H, cap, D]`` K/V buffer (a resident layer's, or a slot)."""
         b, h, d = self._shape
-        mk = lambda: torch.empty(b, h, cap, d, dtype=self._dtype, device=self._device)  # noqa: E731
-        return mk(), mk()
-
-    def _empty_slot(self, cap: int) -> torch.Tensor:
-        b, h, d = self._shape
-        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)  # [2, B, H, cap, D]
+        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)
 
     def _place(self, per_token: int) -> None:
         """Decide resident vs offloaded layers (records the decision)."""
@@ -489,14 +481,19 @@ class PagedKVCache(PageTransfers):
             logging.WARNING,
         )
         self.stats.reallocations += 1
-        for layer, kv_at in list(self._res_at.items()):
-            nk, nv = self._empty_kv(new_cap)
+        for layer, old in list(self._res_at.items()):
+            new = self._res_at[layer] = KVBuffer(self._empty_kv(new_cap))
             n = self._lengths[layer]
-            KVRange(nk, nv).write(0, *kv_at.upto(n))  # [B, H, n, D] each
-            self._set_resident(layer, nk, nv)
+            new(0, n).copy_(old(0, n))  # [2, B, H, n, D]
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            self._slots = [Slot(self._empty_slot(new_cap)) for _ in self._slots]
+            for slot in self._slots:
+                if slot.unsaved:  # the owner's partial page lives only in this slot: keep it in the tail
+                    page = self._lengths[slot.owner] // p
+                    self._tails[slot.owner].copy_(slot.page(page, p))
+            # why: the new slots' first gathers (H2D stream) restore those tails once these copies are done
+            saved = record(self._compute())
+            self._slots = [Slot(self._empty_kv(new_cap), free_after=saved) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -524,27 +521,17 @@ class PagedKVCache(PageTransfers):
         elif slot.prefetched_pages:
             self.stats.prefetched += 1
         if slot.pages < full_old:
-            # nothing (or not enough) was prefetched: copy the missing pages in now
+            # nothing (or not enough) was prefetched: the missing pages are copied in now
             self.stats.gathered_on_demand += 1
-            self._gather(layer, slot, full_old)
+        self._gather(layer, slot, full_old)  # the missing pages and the partial page, if any
         self._current = slot
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        # the partial page and the new tokens meet in the slot; filled pages drain to the host, and what stays
-        # partial goes back to the tail (a decode step's single token takes `_step_offloaded` instead)
-        t_old = s - full_old * p
-        tail = self._tails[layer].buf  # [2, B, H, P, D]
-        if t_old:
-            slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
-            slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
-        slot.k[:, :, s:e].copy_(k)
-        slot.v[:, :, s:e].copy_(v)
+        # the slot now holds tokens [0, s); the new ones go behind them, filled pages drain to the host, and the
+        # partial page stays in the slot (a decode step's single token takes `_step_offloaded` instead)
+        slot.at.write(s, k, v)
         if full_new > full_old:
             self._flush(layer, slot, full_old, full_new)
-        t_new = e - full_new * p
-        if t_new:
-            tail[0, :, :, :t_new].copy_(slot.k[:, :, full_new * p : e])
-            tail[1, :, :, :t_new].copy_(slot.v[:, :, full_new * p : e])
-        slot.pages = full_new
-        return slot.k[:, :, :e], slot.v[:, :, :e]
+        slot.pages, slot.unsaved = full_new, e > full_new * p
+        return slot.at.upto(e)

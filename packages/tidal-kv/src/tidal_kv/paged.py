@@ -4,9 +4,7 @@
 K/V that :meth:`PagedKVCache.update` returns for an offloaded layer stay valid until the next ``update`` call
 (of any layer): that next call is where the slot is handed back and may be refilled. This is exactly the
 order of a decoder stack (layer l attends before layer l+1 computes its K/V). Host pages are only ever
-appended; the one partial page of each offloaded layer stays on the device: in the slot the layer last used,
-saved to the layer's "tail" page when another layer takes that slot (see [Note: partial pages] in
-:mod:`tidal_kv.slots`).
+appended; the one partial page of each offloaded layer stays on the device (its "tail").
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
 from tidal_kv.streams import CurrentStream, ranged, record, wait
 from tidal_kv.transfers import PageTransfers
-from tidal_kv.views import KVBuffer
+from tidal_kv.views import KVBuffer, TailPage
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +158,12 @@ class PagedKVCache(PageTransfers):
         """
         # [Note: decode host path] a batch-1 decode step is bound by the host, and this runs once per layer
         # and step. A decode token's update (one token; for an offloaded layer, its slot prefetched and no
-        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`: both write the token into a
-        # [2, B, H, T, D] buffer (`KVBuffer.append`: one launch for K and V) and return its views; everything
-        # else (prefill, page boundaries, on-demand gathers, growth, the first update) takes `_update`, which
-        # checks and explains. Measured: the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to
-        # 16-17 µs per layer on a CPU; in a whole 8B decode step on the GPU machine the gains of this path, of
-        # the one-launch write and of writing an offloaded layer's token once ([Note: partial pages]) stayed
+        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`: one launch writes the token's
+        # K and V into a [2, B, H, T, D] buffer (`KVBuffer`, `TailPage.write_token`), and views are made once
+        # where steps repeat them (`TailPage`, `Slot.page`); everything else (prefill, page boundaries,
+        # on-demand gathers, growth, the first update) takes `_update`, which checks and explains. Measured:
+        # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
+        # in a whole 8B decode step on the GPU machine the gains of this path and of the one-launch write stayed
         # inside the rounds' spread (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`, `kv-ab-partial-pages-*`).
         if (
             type(layer) is int
@@ -217,14 +215,17 @@ class PagedKVCache(PageTransfers):
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        s = self._lengths[layer]
-        # the partial page is in place behind the gathered pages: the token goes there, as a resident layer's
-        out = slot.at.append(s, k, v)  # [B, H, s + 1, D] each
-        slot.unsaved = True
+        s, p = self._lengths[layer], self._page_tokens
+        page, t = divmod(s, p)
+        tail = self._tails[layer]
+        tail.write_token(t, k, v)
+        # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
+        # goes behind the gathered pages
+        slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)
-        return out
+        return slot.at.upto(s + 1)
 
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` in general: checks every argument, materializes, grows, gathers on demand."""
@@ -286,10 +287,7 @@ class PagedKVCache(PageTransfers):
             if src.scale is not None:
                 kv = decode_pages(kv, src.scale.to(self._device), self._storage, self._dtype)
             out[:, :, :, page * p : (page + 1) * p].copy_(kv)
-        if n > full * p:
-            held = next((sl for sl in self._slots if sl.owner == layer and sl.partial), None)
-            partial = held.page(full, p) if held is not None else self._tails[layer]  # [2, B, H, P, D]
-            out[:, :, :, full * p :].copy_(partial[:, :, :, : n - full * p])
+        out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
         return out[0], out[1]
 
     def reset(self) -> None:
@@ -300,7 +298,6 @@ class PagedKVCache(PageTransfers):
         self._current = None
         for slot in self._slots:
             slot.owner, slot.pages, slot.ready, slot.free_after = None, 0, None, None
-            slot.partial, slot.unsaved, slot.evicted = False, False, None
         self._flush_done = {}
 
     def memory(self) -> dict[str, Any]:
@@ -315,8 +312,8 @@ class PagedKVCache(PageTransfers):
         dev = 0
         for buf in (*(at.buf for at in self._res_at.values()), *(s.kv for s in self._slots)):
             dev += buf.numel() * buf.element_size()
-        for tail in self._tails.values():
-            dev += tail.numel() * tail.element_size()
+        for tail_page in self._tails.values():
+            dev += tail_page.buf.numel() * tail_page.buf.element_size()
         for st in (self._h2d_stage, self._d2h_stage):
             dev += st.nbytes if st is not None else 0
         all_res = 0
@@ -375,10 +372,10 @@ class PagedKVCache(PageTransfers):
             self._pool.release()
         self._shape = None
         self._pool: HostPagePool | None = None
-        # resident layer -> its [2, B, H, cap, D] K/V buffer, as token ranges (`.buf` is the buffer)
+        # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
         self._res_at: dict[int, KVBuffer] = {}
-        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D]) while no slot holds it
-        self._tails: dict[int, torch.Tensor] = {}
+        # offloaded layer -> its device partial page ("tail", [2, B, H, P, D])
+        self._tails: dict[int, TailPage] = {}
         self._host: dict[int, list[PageChunk]] = {}
         self._slots: list[Slot] = []
         self._pending: dict[int, Slot] = {}
@@ -433,7 +430,8 @@ class PagedKVCache(PageTransfers):
         chunks = -(-self._capacity // p // self._chunk_pages)
         self._pool.reserve(len(self._offloaded) * chunks * per_chunk)
         for layer in self._offloaded:
-            self._tails[layer] = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            tail = torch.empty(2, b, h, p, d, dtype=self._dtype, device=self._device)
+            self._tails[layer] = TailPage(tail)
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
@@ -487,13 +485,7 @@ class PagedKVCache(PageTransfers):
             new(0, n).copy_(old(0, n))  # [2, B, H, n, D]
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            for slot in self._slots:
-                if slot.unsaved:  # the owner's partial page lives only in this slot: keep it in the tail
-                    page = self._lengths[slot.owner] // p
-                    self._tails[slot.owner].copy_(slot.page(page, p))
-            # why: the new slots' first gathers (H2D stream) restore those tails once these copies are done
-            saved = record(self._compute())
-            self._slots = [Slot(self._empty_kv(new_cap), free_after=saved) for _ in self._slots]
+            self._slots = [Slot(self._empty_kv(new_cap)) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -521,17 +513,24 @@ class PagedKVCache(PageTransfers):
         elif slot.prefetched_pages:
             self.stats.prefetched += 1
         if slot.pages < full_old:
-            # nothing (or not enough) was prefetched: the missing pages are copied in now
+            # nothing (or not enough) was prefetched: copy the missing pages in now
             self.stats.gathered_on_demand += 1
-        self._gather(layer, slot, full_old)  # the missing pages and the partial page, if any
+            self._gather(layer, slot, full_old)
         self._current = slot
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
-        # the slot now holds tokens [0, s); the new ones go behind them, filled pages drain to the host, and the
-        # partial page stays in the slot (a decode step's single token takes `_step_offloaded` instead)
+        # the partial page and the new tokens meet in the slot; filled pages drain to the host, and what stays
+        # partial goes back to the tail (a decode step's single token takes `_step_offloaded` instead)
+        t_old = s - full_old * p
+        tail = self._tails[layer].at  # token ranges of the [2, B, H, P, D] tail
+        if t_old:
+            slot.at(full_old * p, t_old).copy_(tail(0, t_old))
         slot.at.write(s, k, v)
         if full_new > full_old:
             self._flush(layer, slot, full_old, full_new)
-        slot.pages, slot.unsaved = full_new, e > full_new * p
+        t_new = e - full_new * p
+        if t_new:
+            tail(0, t_new).copy_(slot.at(full_new * p, t_new))
+        slot.pages = full_new
         return slot.at.upto(e)

@@ -14,13 +14,6 @@ went from 0.78-0.81 to 0.87-0.90x DynamicCache at 32k x 1 and 4k x 1 (``kv-varia
 graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only appended to, and
 the slot and the staging chunk live as long as the slot that holds the plan. Where a capture fails, every
 later gather of the process stays eager (logged once).
-
-[Note: partial pages] An offloaded layer's last, partial page lives in the slot the layer last attended from:
-a decode token is written there once, as a resident layer's is, and nowhere else. When a gather hands that
-slot to another layer, its plan first saves the page to the old owner's device tail (``Slot.evicted``); when
-the layer is next gathered into a slot that does not hold it, the plan copies the tail back behind the full
-pages. Both copies run on the gather's stream inside its graph, so the compute stream issues two token copies
-per offloaded layer and step, where a tail kept current on it took three.
 """
 
 from __future__ import annotations
@@ -58,24 +51,15 @@ logger = logging.getLogger(__name__)
 _capture_failed: list[str] = []  # why a capture failed in this process (then no plan captures again)
 
 
-PageMove = Callable[[], Any]
-"""A device-to-device copy of one partial page between a slot and a tail (see [Note: partial pages])."""
-
-
 @dataclass(eq=False)
 class GatherPlan:
-    """The operations of one gather (a layer's pages ``[first, pages)`` into one slot, and the partial pages
-    around it), issued eagerly on first use and replayed as one CUDA graph from the second (see
-    [Note: gather graphs])."""
+    """The runs of one gather (a layer's pages ``[first, pages)`` into one slot), issued eagerly on first use
+    and replayed as one CUDA graph from the second (see [Note: gather graphs])."""
 
-    key: tuple[Any, ...]
-    """What the plan was built for: the page range and the partial pages it moves."""
+    key: tuple[int, int]
+    """``(first, pages)``: the page range."""
     runs: list[GatherRun]
     """The runs in page order."""
-    save: PageMove | None = None
-    """Saves the slot's previous owner's partial page to that layer's tail, before any page lands."""
-    restore: PageMove | None = None
-    """Copies the layer's partial page from its tail behind the gathered pages."""
     uses: int = 0
     """Times issued."""
     graph: StreamGraph | None = None
@@ -85,7 +69,6 @@ class GatherPlan:
 
     def __post_init__(self) -> None:
         ops = sum(len(run.copies) + (run.decode is not None) for run in self.runs)
-        ops += (self.save is not None) + (self.restore is not None)
         self.capture = ops > 1  # why: a single copy costs no more to issue than a graph launch
 
     def issue(self, stream: Any) -> None:
@@ -107,10 +90,7 @@ class GatherPlan:
         self._queue(stream)
 
     def _queue(self, stream: Any) -> None:
-        """Issue every operation on ``stream``, one call each, in order: the save, the runs, the restore."""
-        if self.save is not None:
-            with on(stream):  # why: before the pages below overwrite the slot, on the same stream
-                self.save()
+        """Issue every run's copies and dequantization on ``stream``, one call each."""
         for run in self.runs:
             for copy in run.copies:
                 copy(stream)  # why: on the H2D stream, so it runs while the compute stream works
@@ -118,9 +98,6 @@ class GatherPlan:
                 # why: the dequantization reads the staging the copies above fill: same stream, in order
                 with on(stream):
                     run.decode()
-        if self.restore is not None:
-            with on(stream):  # why: the compute stream reads the slot once this stream's work is done
-                self.restore()
 
 
 @dataclass(eq=False)
@@ -133,12 +110,6 @@ class Slot:
     kv: torch.Tensor  # [2, B, H, cap, D]: K and V in one buffer, so one copy moves both
     owner: int | None = None
     pages: int = 0
-    # the owner's partial page (the tokens after `pages` full pages) is in place (see [Note: partial pages])
-    partial: bool = False
-    # ... and newer than the owner's tail: the owner wrote tokens here since the slot was gathered
-    unsaved: bool = False
-    # a previous owner whose unsaved partial page the next gather into this slot saves first
-    evicted: int | None = None
     ready: Any = None  # event: the H2D copy into this slot finished
     free_after: Any = None  # event: the compute stream finished reading the previous owner's K/V
     prefetched_pages: int = 0
@@ -171,8 +142,6 @@ class Slot:
         chunks: list[PageChunk],
         layout: ChunkLayout,
         stage: PageChunk | None,
-        save: tuple[int, torch.Tensor] | None = None,
-        restore: torch.Tensor | None = None,
     ) -> GatherPlan:
         """The plan that gathers ``layer``'s pages ``[first, pages)`` from ``chunks`` into this slot.
 
@@ -184,15 +153,11 @@ class Slot:
             layout: Their layout (pages per chunk, tokens per page).
             stage: quantized storage: the device staging chunk the pages land in before dequantization; else
                 None.
-            save: ``(page, tail)``: first copy this slot's page ``page`` (the previous owner's partial page)
-                into ``tail`` ``[2, B, H, P, D]``; None: nothing to save.
-            restore: ``layer``'s tail, copied behind the gathered pages (into page ``pages``); None: the
-                partial page is in place, or there is none.
 
         Returns:
             The plan; cached, so the same range returns the same plan (views, graph) without rebuilding it.
         """
-        key = (first, pages, None if save is None else (save[0], save[1].data_ptr()), restore is not None)
+        key = (first, pages)
         hit = self.plans.get(layer)
         if hit is not None and hit.key == key:
             return hit
@@ -211,18 +176,8 @@ class Slot:
                 copies = (RowCopy(staged.data, src.data, 3), RowCopy(staged.scale, src.scale, 3))
                 runs.append(GatherRun(m, dst, copies, staged.decoder(dst)))
             page += m
-        plan = self.plans[layer] = GatherPlan(
-            key,
-            runs,
-            save=None if save is None else _page_move(save[1], self.page(save[0], p)),
-            restore=None if restore is None else _page_move(self.page(pages, p), restore),
-        )
+        plan = self.plans[layer] = GatherPlan(key, runs)
         return plan
-
-
-def _page_move(dst: torch.Tensor, src: torch.Tensor) -> PageMove:
-    """``dst.copy_(src)`` for two ``[2, B, H, P, D]`` pages, as a reusable call."""
-    return lambda: dst.copy_(src)
 
 
 def pick_slot(
@@ -238,8 +193,7 @@ def pick_slot(
         stats: Counts the pages a reused slot already holds.
 
     Returns:
-        The slot, owned by ``layer``; its ``pages`` are the valid pages it already holds of it. A slot taken
-        from another owner whose partial page is not saved yet names that owner in ``evicted``.
+        The slot, owned by ``layer``; its ``pages`` are the valid pages it already holds of it.
     """
     busy = [*pending.values(), current]  # `in` compares slots by identity (eq=False)
     free = [s for s in slots if s not in busy]
@@ -258,9 +212,7 @@ def pick_slot(
         for s in free[1:]:
             if (s.owner is not None, s.pages) < (slot.owner is not None, slot.pages):
                 slot = s
-        if slot.unsaved:  # the previous owner's partial page lives only here: the next gather saves it
-            slot.evicted = slot.owner
-        slot.owner, slot.pages, slot.partial, slot.unsaved = layer, 0, False, False
+        slot.owner, slot.pages = layer, 0
     else:
         stats.pages_reused += slot.pages
     slot.prefetched_pages = 0

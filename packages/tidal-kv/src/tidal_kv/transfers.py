@@ -40,34 +40,23 @@ class PageTransfers:
 
     @ranged("tidal::kv_gather")
     def _gather(self, layer: int, slot: Slot, pages: int) -> int:
-        """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``, with the partial pages
-        around it (see [Note: partial pages] in :mod:`tidal_kv.slots`); returns pages copied."""
+        """Queue the H2D copy of ``layer``'s pages ``[slot.pages, pages)`` into ``slot``; returns pages copied."""
         first = slot.pages
-        p = self._page_tokens
-        evicted = slot.evicted
-        save = None
-        if evicted is not None:
-            slot.evicted = None
-            if self._lengths[evicted] % p:
-                save = (self._lengths[evicted] // p, self._tails[evicted])
-        restore = None
-        if not slot.partial:
-            slot.partial = True  # once this gather is done
-            if self._lengths[layer] % p:
-                restore = self._tails[layer]
-        if pages <= first and save is None and restore is None:
+        if pages <= first:
             return 0
         h2d = self._h2d
-        wait(h2d, slot.free_after)  # why: the compute stream may still read (or write) the previous owner
+        wait(h2d, slot.free_after)  # why: the compute stream may still read the previous owner
         flushed = self._flush_done.pop(layer, None)
         if flushed is not None:
             # why: these host pages may still be in flight D2H; once waited for, stream order covers every
             # later gather of this layer, so the event is dropped (one wait per flush, not per step)
             wait(h2d, flushed)
-        # a decode step's gather is the last one of this layer into this slot again: the cached plan
-        plan = slot.gather_plan(
-            layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage, save, restore
-        )
+        # the decode step's case: the same pages as the last gather of this layer into this slot
+        plan = slot.plans.get(layer)
+        if plan is None or plan.key != (first, pages):
+            plan = slot.gather_plan(
+                layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
+            )
         plan.issue(h2d)
         self.stats.h2d_bytes += (pages - first) * self._page_bytes
         # why: the compute stream waits on this before reading the slot

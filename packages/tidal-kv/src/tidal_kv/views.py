@@ -59,3 +59,26 @@ class KVBuffer(TokenRange):
         """:meth:`write` ``k``/``v`` at ``start``, then the K and V views of everything up to them."""
         torch.stack((k, v), out=self(start, k.shape[-2]))
         return self(0, start + k.shape[-2]).unbind(0)
+
+
+class TailPage:
+    """An offloaded layer's partial page on the device, ``buf`` ``[2, B, H, P, D]`` (K and V).
+
+    A decode step writes one token into it and then copies it behind the gathered pages. The view of a
+    one-token write is the same for every page the layer fills (the buffer is reused), so it is made once per
+    position and kept: ``P`` small views instead of a new one per step.
+    """
+
+    __slots__ = ("_token", "at", "buf")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.at = TokenRange(buf)
+        self._token: list[torch.Tensor | None] = [None] * buf.shape[-2]
+
+    def write_token(self, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` (``[B, H, 1, D]``) as token ``t``, with one launch (see :class:`KVBuffer`)."""
+        view = self._token[t]
+        if view is None:
+            view = self._token[t] = self.at(t, 1)  # [2, B, H, 1, D]
+        torch.stack((k, v), out=view)

@@ -16,7 +16,7 @@ With ``--storage fp8`` or ``nf4`` the variants and the measured engine (``tidal-
 
 - ``tidal-nocopy``: no page copy and no dequantization is issued (the slot holds stale K/V: timing only);
 - ``tidal-noev``: no CUDA event is recorded or waited on (copies unordered: timing only);
-- ``tidal-bare``: both, leaving the offloaded path's Python and its token copies;
+- ``tidal-bare``: both, leaving the offloaded path's Python and its token and tail-page copies;
 - ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order);
 - ``tidal-eager``: gathers never replayed as CUDA graphs (see [Note: gather graphs] in ``tidal_kv.slots``);
 - ``tidal-3slots``: three gather slots (not in the default list: an A/B of ``--slots`` in the same rounds).

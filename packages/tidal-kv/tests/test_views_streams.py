@@ -1,4 +1,4 @@
-"""TokenRange and KVBuffer views, the cached current-stream lookup, and the slot placement helpers."""
+"""TokenRange views, the cached current-stream lookup, and the slot placement helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.streams import CurrentStream, wait
-from tidal_kv.views import KVBuffer, TokenRange
+from tidal_kv.views import TokenRange
 from tidal_testing import devices
 
 
@@ -29,22 +29,6 @@ def test_token_range_is_the_slice_view_of_buffers_and_their_unbound_parts(device
     assert not kv[0][:, :, 2:5].any()
     before[0][:, :, 2:5] = 0
     assert torch.equal(kv, before)  # and nowhere else
-
-
-@pytest.mark.parametrize("device", devices())
-def test_kv_buffer_writes_k_and_v_in_place_and_returns_views_of_both(device):
-    kv = torch.zeros(2, 2, 3, 12, 8, device=device)  # [2, B, H, T, D]
-    at = KVBuffer(kv)
-    prompt = torch.randn(2, 2, 3, 5, 8, device=device)
-    # a decode token as a model makes it: [B, 1, H, D] transposed, so not contiguous
-    tok = torch.randn(2, 2, 1, 3, 8, device=device).transpose(2, 3)
-    k, v = at.append(0, prompt[0], prompt[1])
-    assert torch.equal(k, prompt[0]) and torch.equal(v, prompt[1])
-    k, v = at.append(5, tok[0], tok[1])
-    want = torch.cat([prompt, tok], dim=3)
-    assert k.shape == (2, 3, 6, 8) and torch.equal(k, want[0]) and torch.equal(v, want[1])
-    assert k.data_ptr() == kv[0].data_ptr() and v.data_ptr() == kv[1].data_ptr()  # views, not copies
-    assert not kv[:, :, :, 6:].any()  # nothing written past the tokens
 
 
 def test_prefetch_order_is_the_next_offloaded_layers_cyclically():

@@ -31,7 +31,7 @@ from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
 from tidal_kv.streams import CurrentStream, ranged, record, wait
 from tidal_kv.transfers import PageTransfers
-from tidal_kv.views import KVBuffer, TailPage
+from tidal_kv.views import KVRange, TailPage
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +158,12 @@ class PagedKVCache(PageTransfers):
         """
         # [Note: decode host path] a batch-1 decode step is bound by the host, and this runs once per layer
         # and step. A decode token's update (one token; for an offloaded layer, its slot prefetched and no
-        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`: one launch writes the token's
-        # K and V into a [2, B, H, T, D] buffer (`KVBuffer`, `TailPage.write_token`), and views are made once
-        # where steps repeat them (`TailPage`, `Slot.page`); everything else (prefill, page boundaries,
+        # page filling) takes a flat path, `_step_resident` / `_step_offloaded`, with views made once where
+        # steps repeat them (`TailPage.token`, `Slot.page`); everything else (prefill, page boundaries,
         # on-demand gathers, growth, the first update) takes `_update`, which checks and explains. Measured:
         # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
-        # in a whole 8B decode step on the GPU machine the gains of this path and of the one-launch write stayed
-        # inside the rounds' spread (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`, `kv-ab-partial-pages-*`).
+        # in a whole 8B decode step on the GPU machine the gain stayed inside the rounds' spread
+        # (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`).
         if (
             type(layer) is int
             and 0 <= layer < self._num_layers
@@ -218,14 +217,16 @@ class PagedKVCache(PageTransfers):
         s, p = self._lengths[layer], self._page_tokens
         page, t = divmod(s, p)
         tail = self._tails[layer]
-        tail.write_token(t, k, v)
+        wk, wv = tail.token(t)  # [B, H, 1, D] each
+        wk.copy_(k)
+        wv.copy_(v)
         # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
         # goes behind the gathered pages
         slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)
-        return slot.at.upto(s + 1)
+        return slot.both.upto(s + 1)
 
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` in general: checks every argument, materializes, grows, gathers on demand."""
@@ -310,8 +311,10 @@ class PagedKVCache(PageTransfers):
             VRAM would take at this capacity) and ``device_bytes_saved``.
         """
         dev = 0
-        for buf in (*(at.buf for at in self._res_at.values()), *(s.kv for s in self._slots)):
-            dev += buf.numel() * buf.element_size()
+        for kv_at in self._res_at.values():
+            dev += 2 * kv_at.k.numel() * kv_at.k.element_size()
+        for s in self._slots:
+            dev += 2 * s.k.numel() * s.k.element_size()
         for tail_page in self._tails.values():
             dev += tail_page.buf.numel() * tail_page.buf.element_size()
         for st in (self._h2d_stage, self._d2h_stage):
@@ -373,7 +376,7 @@ class PagedKVCache(PageTransfers):
         self._shape = None
         self._pool: HostPagePool | None = None
         # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
-        self._res_at: dict[int, KVBuffer] = {}
+        self._res_at: dict[int, KVRange] = {}
         # offloaded layer -> its device partial page ("tail", [2, B, H, P, D])
         self._tails: dict[int, TailPage] = {}
         self._host: dict[int, list[PageChunk]] = {}
@@ -414,7 +417,7 @@ class PagedKVCache(PageTransfers):
         if self._cuda:
             self._current_stream = CurrentStream(self._device)
         for layer in self._resident:
-            self._res_at[layer] = KVBuffer(self._empty_kv(self._capacity))
+            self._set_resident(layer, *self._empty_kv(self._capacity))
         if not self._offloaded:
             return
         if self._cuda:
@@ -435,7 +438,7 @@ class PagedKVCache(PageTransfers):
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
-        self._slots = [Slot(self._empty_kv(self._capacity)) for _ in range(n_slots)]
+        self._slots = [Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
         self._ahead = [prefetch_order(layer, self._offloaded, n_slots) for layer in range(c.num_layers)]
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
@@ -445,10 +448,17 @@ class PagedKVCache(PageTransfers):
         self._h2d_stage = device_chunk(self._chunk_layout, self._device) if quantized else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
 
-    def _empty_kv(self, cap: int) -> torch.Tensor:
-        """An uninitialized ``[2, B, H, cap, D]`` K/V buffer (a resident layer's, or a slot)."""
+    def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._res_at[layer] = KVRange(k, v)
+
+    def _empty_kv(self, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self._shape
-        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)
+        mk = lambda: torch.empty(b, h, cap, d, dtype=self._dtype, device=self._device)  # noqa: E731
+        return mk(), mk()
+
+    def _empty_slot(self, cap: int) -> torch.Tensor:
+        b, h, d = self._shape
+        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)  # [2, B, H, cap, D]
 
     def _place(self, per_token: int) -> None:
         """Decide resident vs offloaded layers (records the decision)."""
@@ -479,13 +489,14 @@ class PagedKVCache(PageTransfers):
             logging.WARNING,
         )
         self.stats.reallocations += 1
-        for layer, old in list(self._res_at.items()):
-            new = self._res_at[layer] = KVBuffer(self._empty_kv(new_cap))
+        for layer, kv_at in list(self._res_at.items()):
+            nk, nv = self._empty_kv(new_cap)
             n = self._lengths[layer]
-            new(0, n).copy_(old(0, n))  # [2, B, H, n, D]
+            KVRange(nk, nv).write(0, *kv_at.upto(n))  # [B, H, n, D] each
+            self._set_resident(layer, nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            self._slots = [Slot(self._empty_kv(new_cap)) for _ in self._slots]
+            self._slots = [Slot(self._empty_slot(new_cap)) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -523,14 +534,17 @@ class PagedKVCache(PageTransfers):
         # the partial page and the new tokens meet in the slot; filled pages drain to the host, and what stays
         # partial goes back to the tail (a decode step's single token takes `_step_offloaded` instead)
         t_old = s - full_old * p
-        tail = self._tails[layer].at  # token ranges of the [2, B, H, P, D] tail
+        tail = self._tails[layer].buf  # [2, B, H, P, D]
         if t_old:
-            slot.at(full_old * p, t_old).copy_(tail(0, t_old))
-        slot.at.write(s, k, v)
+            slot.k[:, :, full_old * p : s].copy_(tail[0, :, :, :t_old])
+            slot.v[:, :, full_old * p : s].copy_(tail[1, :, :, :t_old])
+        slot.k[:, :, s:e].copy_(k)
+        slot.v[:, :, s:e].copy_(v)
         if full_new > full_old:
             self._flush(layer, slot, full_old, full_new)
         t_new = e - full_new * p
         if t_new:
-            tail(0, t_new).copy_(slot.at(full_new * p, t_new))
+            tail[0, :, :, :t_new].copy_(slot.k[:, :, full_new * p : e])
+            tail[1, :, :, :t_new].copy_(slot.v[:, :, full_new * p : e])
         slot.pages = full_new
-        return slot.at.upto(e)
+        return slot.k[:, :, :e], slot.v[:, :, :e]

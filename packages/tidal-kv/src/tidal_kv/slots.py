@@ -29,7 +29,7 @@ from tidal_arena import RowCopy, StreamGraph
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, PageChunk
 from tidal_kv.streams import on
-from tidal_kv.views import KVBuffer
+from tidal_kv.views import KVRange, TokenRange
 
 
 class GatherRun(NamedTuple):
@@ -116,22 +116,26 @@ class Slot:
     # long-lived events re-recorded each step (see `streams.record`): the decode loop creates none
     ready_ev: Any = None
     free_ev: Any = None
-    # token ranges of kv, made once (indexing kv per update costs host time on every decode step)
-    at: KVBuffer = field(init=False)
+    # views made once (indexing kv per update costs host time on every decode step)
+    k: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[0]
+    v: torch.Tensor = field(init=False)  # [B, H, cap, D], kv[1]
+    kv_at: TokenRange = field(init=False)  # token ranges of kv, [2, B, H, n, D]
+    both: KVRange = field(init=False)  # ... of k and v, [B, H, n, D] each
     # layer -> the plan of the last gather of that layer into this slot
     plans: dict[int, GatherPlan] = field(init=False, default_factory=dict)
     # page index -> kv's [2, B, H, P, D] view of that page (see `page`)
     _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.at = KVBuffer(self.kv)
+        self.k, self.v = self.kv.unbind(0)
+        self.kv_at, self.both = TokenRange(self.kv), KVRange(self.k, self.v)
 
     def page(self, index: int, page_tokens: int) -> torch.Tensor:
         """The ``[2, B, H, P, D]`` view of page ``index`` (made on first use, then kept: a decode step copies
         a layer's partial page into the same page of a slot for ``page_tokens`` steps in a row)."""
         view = self._pages.get(index)
         if view is None:
-            view = self._pages[index] = self.at(index * page_tokens, page_tokens)
+            view = self._pages[index] = self.kv_at(index * page_tokens, page_tokens)
         return view
 
     def gather_plan(

@@ -35,50 +35,60 @@ class TokenRange:
         )
 
 
-class KVBuffer(TokenRange):
-    """One layer's K and V in one ``[2, B, H, T, D]`` buffer, with the calls a decode step needs: a write of new
-    tokens into both, and both views of ``[0, n)``.
+class KVRange:
+    """Token ranges of a K buffer and a V buffer of one shape and strides (``[..., T, D]``), as the decode step
+    needs them: a write of new tokens into both, and both views of ``[0, n)``.
 
-    K and V share the buffer so that one ``torch.stack(..., out=)`` writes a token of both (one launch: on the
-    GPU machine 6.0 µs of host time against 5.5 for a single ``copy_``) and one ``unbind`` splits the view
-    attention reads: a whole token write with its views takes 12.4 µs, where two buffers took 19.0 (two
-    ``copy_`` and four views) and DynamicCache's two ``torch.cat`` take 13.4 (``diag-kv-write-costs``).
+    One call where :class:`TokenRange` would take two, on the host path of every layer and step.
     """
 
-    __slots__ = ()
+    __slots__ = ("_d", "_k_off", "_lead", "_step", "_stride", "_v_off", "k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.shape != v.shape or k.stride() != v.stride():
+            raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} views must share shape and strides")
+        self.k, self.v = k, v
+        self._lead = tuple(k.shape[:-2])
+        self._d = k.shape[-1]
+        self._stride = k.stride()
+        self._k_off, self._v_off = k.storage_offset(), v.storage_offset()
+        self._step = k.stride(-2)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy ``k``/``v`` (``[B, H, t, D]``) into tokens ``[start, start + t)``."""
-        torch.stack((k, v), out=self(start, k.shape[-2]))
+        """Copy ``k``/``v`` (``[..., t, D]``) into tokens ``[start, start + t)`` of the buffers."""
+        size, at = (*self._lead, k.shape[-2], self._d), start * self._step
+        self.k.as_strided(size, self._stride, self._k_off + at).copy_(k)
+        self.v.as_strided(size, self._stride, self._v_off + at).copy_(v)
 
     def upto(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V views of tokens ``[0, length)``, ``[B, H, length, D]`` each."""
-        return self(0, length).unbind(0)
+        """The K and V views of tokens ``[0, length)``."""
+        size, stride = (*self._lead, length, self._d), self._stride
+        return self.k.as_strided(size, stride, self._k_off), self.v.as_strided(size, stride, self._v_off)
 
     def append(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`write` ``k``/``v`` at ``start``, then the K and V views of everything up to them."""
-        torch.stack((k, v), out=self(start, k.shape[-2]))
-        return self(0, start + k.shape[-2]).unbind(0)
+        self.write(start, k, v)
+        return self.upto(start + k.shape[-2])
 
 
 class TailPage:
     """An offloaded layer's partial page on the device, ``buf`` ``[2, B, H, P, D]`` (K and V).
 
-    A decode step writes one token into it and then copies it behind the gathered pages. The view of a
-    one-token write is the same for every page the layer fills (the buffer is reused), so it is made once per
-    position and kept: ``P`` small views instead of a new one per step.
+    A decode step writes one token into it and then copies it behind the gathered pages. The views of a
+    one-token write are the same for every page the layer fills (the buffer is reused), so they are made
+    once per position and kept: ``P`` pairs of small views instead of two new ones per step.
     """
 
-    __slots__ = ("_token", "at", "buf")
+    __slots__ = ("_token", "at", "buf", "k_at", "v_at")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
-        self.at = TokenRange(buf)
-        self._token: list[torch.Tensor | None] = [None] * buf.shape[-2]
+        self.at, self.k_at, self.v_at = TokenRange(buf), TokenRange(buf[0]), TokenRange(buf[1])
+        self._token: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * buf.shape[-2]
 
-    def write_token(self, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` (``[B, H, 1, D]``) as token ``t``, with one launch (see :class:`KVBuffer`)."""
-        view = self._token[t]
-        if view is None:
-            view = self._token[t] = self.at(t, 1)  # [2, B, H, 1, D]
-        torch.stack((k, v), out=view)
+    def token(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[B, H, 1, D]`` K and V views of token ``t`` (made on first use, then kept)."""
+        views = self._token[t]
+        if views is None:
+            views = self._token[t] = (self.k_at(t, 1), self.v_at(t, 1))
+        return views

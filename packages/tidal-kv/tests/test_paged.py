@@ -52,8 +52,11 @@ def _drive(
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("slots", [2, 3])
-def test_paging_bit_exact_across_page_boundaries(device, slots):
-    cache = PagedKVCache(8, 40, resident_layers=3, page_tokens=8, prefetch_slots=slots)
+@pytest.mark.parametrize("gather_stream", ["side", "compute"])
+def test_paging_bit_exact_across_page_boundaries(device, slots, gather_stream):
+    cache = PagedKVCache(
+        8, 40, resident_layers=3, page_tokens=8, prefetch_slots=slots, gather_stream=gather_stream
+    )
     # prefill 13 (one full page + 5), decode across several boundaries, a chunk landing exactly on one
     _drive(cache, [13, 1, 1, 1, 8, 3, 1, 1, 1, 1, 1], device=device)
     assert cache.offloaded_layers == [0, 2, 4, 5, 7]
@@ -64,6 +67,7 @@ def test_paging_bit_exact_across_page_boundaries(device, slots):
     # every decode step after the prefill found its pages already queued
     assert s.prefetched > 0 and s.gathered_on_demand == 0
     assert s.pages_gathered > 0 and s.h2d_bytes > 0
+    assert (s.inline_gathers > 0) == (gather_stream == "compute")
 
 
 def test_auto_spreads_offloaded_layers_and_respects_budget(monkeypatch):
@@ -413,9 +417,13 @@ def test_profiler_ranges_appear_only_while_profiling():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage", ["native", "fp8", "nf4"])
-def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, storage):
-    """Native pages land in the slot in one strided copy; quantized pages dequantize from staging in place."""
-    cache = PagedKVCache(6, 128, resident_layers=3, page_tokens=64, device="cuda", storage=storage)
+@pytest.mark.parametrize("gather_stream", ["side", "compute"])
+def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, storage, gather_stream):
+    """Native pages land in the slot in one strided copy; quantized pages dequantize from staging in place;
+    on either stream (on the compute stream, graphs captured on the side stream replay in compute order)."""
+    cache = PagedKVCache(
+        6, 128, resident_layers=3, page_tokens=64, device="cuda", storage=storage, gather_stream=gather_stream
+    )
     k0 = torch.randn(2, 2, 70, 32, device="cuda")
     for layer in range(6):
         cache.update(layer, k0, k0)
@@ -438,6 +446,7 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, st
     # (one copy) are not; the checks below read what the replays wrote
     graphs = [plan.graph is not None for slot in cache._slots for plan in slot.plans.values()]
     assert any(graphs) == (storage != "native"), graphs
+    assert (cache.stats.inline_gathers > 0) == (gather_stream == "compute")
     ref = torch.cat([k0, one.expand(2, 2, 9, 32)], dim=2)
     exact = 0 if storage == "native" else 64  # the first page went through the format, the tail did not
     for layer in range(6):
@@ -451,6 +460,38 @@ def test_cuda_decode_steps_allocate_nothing_and_create_no_events(monkeypatch, st
                 ref[:, :, :exact].float().cpu(),
                 {"fp8": 25.0, "nf4": 19.0}[storage],
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["native", "nf4"])
+def test_cuda_auto_gather_stream_takes_the_compute_stream_at_batch_1_and_stays_exact(storage):
+    """A tiny batch-1 decode gathers far under INLINE_BELOW of its step on the link: "auto" moves its gathers
+    to the compute stream after one window, and every step returns what a side-stream cache returns; at
+    batch 2 it never moves."""
+    from tidal_kv.policy import WINDOW
+
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 2):
+        caches = {
+            mode: PagedKVCache(
+                6, 256, resident_layers=3, page_tokens=64, device="cuda", storage=storage, gather_stream=mode
+            )
+            for mode in ("auto", "side")
+        }
+        k0 = torch.randn(batch, 2, 150, 32, generator=g).to("cuda")
+        for cache in caches.values():
+            for layer in range(6):
+                cache.update(layer, k0, -k0)
+        for _ in range(WINDOW + 4):
+            one = torch.randn(batch, 2, 1, 32, generator=g).to("cuda")
+            for layer in range(6):
+                got = [tuple(t.clone() for t in c.update(layer, one, -one)) for c in caches.values()]
+                assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), (batch, layer)
+        stats = caches["auto"].stats
+        if batch == 1:
+            assert stats.gather_stream_switches == 1 and stats.inline_gathers > 0
+        else:
+            assert stats.gather_stream_switches == 0 and stats.inline_gathers == 0
 
 
 @pytest.mark.gpu
@@ -530,13 +571,15 @@ def test_decode_tokens_take_the_flat_path_and_filling_a_page_the_general_one(mon
     page=st.integers(1, 4),
     slots=st.sampled_from([2, 3]),
     schedule=st.lists(
-        st.tuples(st.sampled_from([1, 1, 1, 2, 5]), st.booleans(), st.integers(0, 9)), min_size=1, max_size=14
+        st.tuples(st.sampled_from([1, 1, 1, 2, 5]), st.booleans(), st.integers(0, 9), st.booleans()),
+        min_size=1,
+        max_size=14,
     ),
     data=st.data(),
 )
 def test_any_schedule_of_updates_matches_concatenation(storage, layers, page, slots, schedule, data):
     # the flat decode path and the general one, interleaved by any mix of token counts, page sizes, slot
-    # counts, stack orders (a step's layers rotated) and resets, against torch.cat; an offloaded layer's
+    # counts, stack orders (a step's layers rotated), resets and gather streams, against torch.cat; an offloaded layer's
     # tokens in full pages come back as their page format makes them (each row's own scales: independent
     # of where pages were cut or which slot served them), the partial page's exactly
     resident = data.draw(st.integers(0, layers - 1), label="resident")
@@ -555,7 +598,9 @@ def test_any_schedule_of_updates_matches_concatenation(storage, layers, page, sl
         paged = decode_pages(*encode_pages(kv[:, :, :, :full], storage), storage, kv.dtype)
         return torch.cat([paged, kv[:, :, :, full:]], dim=3)
 
-    for n, reset, rotate in schedule:
+    for n, reset, rotate, switch in schedule:
+        if switch:  # gathers move between the side and the compute stream, as "auto" may decide
+            cache._set_inline(not cache._inline)
         if reset:
             cache.reset()
             ref.clear()

@@ -156,6 +156,8 @@ class TidalCache(Cache):
         storage: Host page format: "native" (exact), "fp8" or "nf4" (lossy; see ``tidal_kv.KVConfig.storage``).
         vram_fraction: Fraction of free VRAM for "auto" placement when ``vram_budget`` is None.
         prefetch_slots: Device gather slots (2 or 3).
+        gather_stream: Where page gathers are issued: "auto" (default), "side" or "compute" (see
+            ``tidal_kv.KVConfig.gather_stream``).
 
     Raises:
         UnsupportedModelError: the model cannot be served (the message says why and what to use instead).
@@ -174,6 +176,7 @@ class TidalCache(Cache):
         storage: str = "native",
         vram_fraction: float = 0.5,
         prefetch_slots: int = 2,
+        gather_stream: str = "auto",
     ) -> None:
         config = _text_config(model_or_config)
         _refuse_unsupported_layers(config)
@@ -190,6 +193,7 @@ class TidalCache(Cache):
             vram_fraction=vram_fraction,
             storage=storage,
             prefetch_slots=prefetch_slots,
+            gather_stream=gather_stream,
         )
         super().__init__(layers=[_TidalLayer(self.paged, i) for i in range(config.num_hidden_layers)])
 

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from tidal_kv.errors import KVCacheError, KVConfigError
+from tidal_kv.policy import GATHER_STREAMS, GatherStream
 from tidal_kv.storage import NF4_BLOCK
 
 Storage = Literal["native", "fp8", "nf4"]
@@ -62,6 +63,11 @@ class KVConfig:
     prefetch_slots: int = 2
     """Preallocated device slots that offloaded layers are gathered into (2 or 3; with 3 the copy runs two
     offloaded layers ahead); default 2."""
+    gather_stream: GatherStream = "auto"
+    """Where page gathers are issued: "side" (an H2D stream, overlapping compute), "compute" (the compute
+    stream, no events: cheaper for a host-bound step whose copies fit in the device's idle time), or "auto"
+    (the compute stream at batch 1 while the link time is a small share of the step; see
+    :mod:`tidal_kv.policy`)."""
 
     def __post_init__(self) -> None:
         _positive_int("num_layers", self.num_layers)
@@ -104,6 +110,11 @@ class KVConfig:
         if self.prefetch_slots not in (2, 3) or isinstance(self.prefetch_slots, bool):
             raise KVConfigError(
                 f"prefetch_slots={self.prefetch_slots!r} is not accepted: expected 2 or 3; pass prefetch_slots=2."
+            )
+        if self.gather_stream not in GATHER_STREAMS:
+            raise KVConfigError(
+                f"gather_stream={self.gather_stream!r} is not accepted: expected one of "
+                f'{", ".join(repr(g) for g in GATHER_STREAMS)}; pass gather_stream="auto".'
             )
         if self.device is not None:
             try:

@@ -26,6 +26,7 @@ from tidal_kv.config import (
     same_layout,
 )
 from tidal_kv.errors import KVConfigError
+from tidal_kv.policy import GatherStream, GatherStreamPolicy
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
@@ -55,6 +56,7 @@ class PagedKVCache(PageTransfers):
         storage: Host page format, "native", "fp8" or "nf4" (see :attr:`KVConfig.storage`).
         device: Device (None: the first update's).
         prefetch_slots: Device gather slots for offloaded layers (2 or 3).
+        gather_stream: Where gathers are issued: "side", "compute" or "auto" (see :attr:`KVConfig.gather_stream`).
 
     Raises:
         KVConfigError: a bad option (it names the option, the value, and what is accepted).
@@ -76,6 +78,7 @@ class PagedKVCache(PageTransfers):
         storage: Storage = "native",
         device: torch.device | str | None = None,
         prefetch_slots: int = 2,
+        gather_stream: GatherStream = "auto",
     ) -> None:
         if isinstance(resident_layers, Sequence) and not isinstance(resident_layers, str):
             resident_layers = tuple(resident_layers)
@@ -93,8 +96,12 @@ class PagedKVCache(PageTransfers):
             storage=storage,
             device=device,
             prefetch_slots=prefetch_slots,
+            gather_stream=gather_stream,
         )
         self.stats = KVStats()
+        self._policy = GatherStreamPolicy(gather_stream)
+        self._inline = self._policy.inline  # gathers on the compute stream (read on every gather)
+        self._inline_used = False  # some gather ran on the compute stream (then syncs include it)
         # read on every update (the config holds the same, checked values)
         self._page_tokens, self._num_layers = page_tokens, num_layers
         self._lengths = [0] * num_layers
@@ -173,6 +180,8 @@ class PagedKVCache(PageTransfers):
             and not (k.requires_grad or v.requires_grad)
             and self._lengths[layer] < self._capacity
         ):
+            if layer == 0 and self._timing:
+                self._time_step()
             if layer not in self._offloaded_set:
                 return self._step_resident(layer, k, v)
             slot = self._pending.get(layer)
@@ -187,8 +196,9 @@ class PagedKVCache(PageTransfers):
         """One decode token of a resident layer (see [Note: decode host path])."""
         cur = self._current
         if cur is not None:
-            # why: hand back the slot the previous update returned (see `_release_current`)
-            cur.free_after = cur.free_ev = record(self._compute(), cur.free_ev)
+            if not self._inline:
+                # why: hand back the slot the previous update returned (see `_release_current`)
+                cur.free_after = cur.free_ev = record(self._compute(), cur.free_ev)
             self._current = None
         s = self._lengths[layer]
         out = self._res_at[layer].append(s, k, v)  # [B, H, s + 1, D] each
@@ -204,7 +214,7 @@ class PagedKVCache(PageTransfers):
         partial page does not fill (see [Note: decode host path])."""
         compute = self._compute()
         cur = self._current
-        if cur is not None:
+        if cur is not None and not self._inline:
             # why: hand back the slot the previous update returned (see `_release_current`)
             cur.free_after = cur.free_ev = record(compute, cur.free_ev)
         del self._pending[layer]
@@ -244,6 +254,8 @@ class PagedKVCache(PageTransfers):
         offloaded = layer in self._offloaded_set
         compute = self._compute()
         self._release_current(compute)
+        if k.shape[2] > 1 and self._timing:
+            self._policy.restart()  # a prefill is not a decode step
         new_len = self._lengths[layer] + k.shape[2]
         if new_len > self._capacity:
             self._grow(new_len)
@@ -294,6 +306,7 @@ class PagedKVCache(PageTransfers):
     def reset(self) -> None:
         """Forget every cached token (buffers are kept for the next sequence of the same shape)."""
         self._sync_copies()
+        self._policy.restart()
         self._lengths = [0] * self.num_layers
         self._pending.clear()
         self._current = None
@@ -392,6 +405,7 @@ class PagedKVCache(PageTransfers):
         self._h2d = self._d2h = None
         self._current_stream: CurrentStream | None = None
         self._cuda = False
+        self._timing = False  # "auto" gather streams time decode steps (set once the link is measured)
 
     def _bytes(self) -> tuple[int, int, int]:
         """(page bytes in storage format, device bytes per token per layer K+V, element size)."""
@@ -447,6 +461,16 @@ class PagedKVCache(PageTransfers):
         quantized = self._chunk_layout.quantized
         self._h2d_stage = device_chunk(self._chunk_layout, self._device) if quantized else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
+        if self._cuda and self._policy.measuring:
+            self._measure_link()
+            self._timing = True
+
+    def _time_step(self) -> None:
+        """A decode token of the first layer: let ``gather_stream="auto"`` decide (see :mod:`tidal_kv.policy`)."""
+        first = self._offloaded[0]
+        step_bytes = len(self._offloaded) * (self._lengths[first] // self._page_tokens) * self._page_bytes
+        if self._policy.step(step_bytes, self._shape[0]):
+            self._set_inline(self._policy.inline)
 
     def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._res_at[layer] = KVRange(k, v)

@@ -71,16 +71,19 @@ class GatherPlan:
         ops = sum(len(run.copies) + (run.decode is not None) for run in self.runs)
         self.capture = ops > 1  # why: a single copy costs no more to issue than a graph launch
 
-    def issue(self, stream: Any) -> None:
-        """Queue the gather on ``stream``: the H2D stream, or None on the CPU (copies run at once)."""
+    def issue(self, stream: Any, capture_stream: Any = None) -> None:
+        """Queue the gather on ``stream``: the H2D stream, the compute stream, or None on the CPU (copies run
+        at once). A capture runs on ``capture_stream`` (default ``stream``): a side stream, since the compute
+        stream may be the legacy default stream, which cannot capture; the graph then launches on ``stream``."""
         if self.graph is not None:
-            self.graph.launch(stream)  # why: on the H2D stream, so it runs while the compute stream works
+            self.graph.launch(stream)  # why: the gather's stream (see [Note: gathers on the compute stream])
             return
         self.uses += 1
-        if self.uses > 1 and self.capture and stream is not None and not _capture_failed:
+        capture_on = stream if capture_stream is None else capture_stream
+        if self.uses > 1 and self.capture and capture_on is not None and not _capture_failed:
             self.capture = False  # one attempt per plan
             try:
-                self.graph = StreamGraph.capture(stream, lambda: self._queue(stream))
+                self.graph = StreamGraph.capture(capture_on, lambda: self._queue(capture_on))
             except RuntimeError as exc:  # e.g. a decoder that allocates: stay eager, and say why once
                 _capture_failed.append(str(exc))
                 logger.warning("page gathers stay uncaptured in this process: %s", exc)

@@ -27,5 +27,9 @@ class KVStats:
     """Calls of the slow ``gather`` copy path (e.g. legacy ``cache[i]`` indexing); 0 in a decode loop."""
     reallocations: int = 0
     """Device reallocations because a sequence outgrew the capacity (or the shapes changed after reset)."""
+    gather_stream_switches: int = 0
+    """Times ``gather_stream="auto"`` moved gathers between the side and the compute stream."""
+    inline_gathers: int = 0
+    """Gathers issued on the compute stream (see :mod:`tidal_kv.policy`)."""
     events: list[str] = field(default_factory=list)
     """Decisions and degradations, in order (placement, growth, fallbacks)."""

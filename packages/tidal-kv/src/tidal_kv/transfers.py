@@ -7,11 +7,16 @@ A mixin: the state it works on (slots, streams, host chunks, counters) is the ca
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from tidal_arena import copy_rows
+import torch
+
+from tidal_arena import RowCopy, copy_rows
 from tidal_kv.slots import Slot, pick_slot
 from tidal_kv.streams import on, profiled, ranged, record, synchronize, wait
+
+logger = logging.getLogger(__name__)
 
 
 class PageTransfers:
@@ -35,6 +40,22 @@ class PageTransfers:
         """Block until every queued page copy finished (before buffers are reused or dropped)."""
         # why: in-flight copies still read or write the pages and slots
         synchronize(getattr(self, "_h2d", None), getattr(self, "_d2h", None))
+        if getattr(self, "_inline_used", False):
+            torch.cuda.synchronize(self._device)  # why: gathers were also issued on the compute stream
+
+    def _set_inline(self, inline: bool) -> None:
+        """Issue gathers on the compute stream (True) or the side stream (False) from now on."""
+        if inline == self._inline:
+            return
+        if not inline:
+            # why: updates on the compute stream recorded no slot releases; a side-stream gather into any
+            # slot must wait until the compute stream finished everything queued so far
+            released = record(self._compute())
+            for slot in self._slots:
+                slot.free_after = released
+        self._inline = inline
+        self.stats.gather_stream_switches += 1
+        logger.debug("page gathers now on the %s stream", "compute" if inline else "side")
 
     # ------------------------------------------------------------------ gathers and flushes
 
@@ -44,6 +65,8 @@ class PageTransfers:
         first = slot.pages
         if pages <= first:
             return 0
+        if self._inline:
+            return self._gather_inline(layer, slot, first, pages)
         h2d = self._h2d
         wait(h2d, slot.free_after)  # why: the compute stream may still read the previous owner
         flushed = self._flush_done.pop(layer, None)
@@ -58,12 +81,46 @@ class PageTransfers:
                 layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
             )
         plan.issue(h2d)
-        self.stats.h2d_bytes += (pages - first) * self._page_bytes
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
+        return self._gathered(slot, first, pages)
+
+    def _gather_inline(self, layer: int, slot: Slot, first: int, pages: int) -> int:
+        """:meth:`_gather` on the compute stream: stream order makes every event of a side gather unneeded
+        (see [Note: gathers on the compute stream] in :mod:`tidal_kv.policy`)."""
+        compute = self._compute()
+        if slot.ready is not None:
+            wait(compute, slot.ready)  # why: a side-stream gather into this slot may still be in flight
+            slot.ready = None
+        flushed = self._flush_done.pop(layer, None)
+        if flushed is not None:
+            wait(compute, flushed)  # why: these host pages may still be in flight D2H
+        plan = slot.gather_plan(layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage)
+        plan.issue(compute, self._h2d)  # why: captured on the side stream, launched in compute order
+        self._inline_used = self._cuda
+        self.stats.inline_gathers += 1
+        return self._gathered(slot, first, pages)
+
+    def _gathered(self, slot: Slot, first: int, pages: int) -> int:
+        """Count a gather of pages ``[first, pages)`` into ``slot``; returns the pages copied."""
+        self.stats.h2d_bytes += (pages - first) * self._page_bytes
         slot.pages = pages
         self.stats.pages_gathered += pages - first
         return pages - first
+
+    def _measure_link(self) -> None:
+        """Time one host chunk's copy to the device for ``gather_stream="auto"`` (once, at allocation)."""
+        src = self._host[self._offloaded[0]][0].data
+        dst = self._d2h_stage.data  # [2, B, H, C·P, ·]: the same layout as a host chunk
+        copy = RowCopy(dst, src, 3)
+        copy(self._h2d)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self._h2d)  # why: times the copies below on the stream they run on
+        copy(self._h2d)
+        copy(self._h2d)
+        end.record(self._h2d)
+        end.synchronize()  # why: elapsed_time needs both events complete
+        self._policy.set_link(2 * src.numel() * src.element_size(), start.elapsed_time(end) / 1e3)
 
     def _flush(self, layer: int, slot: Slot, first: int, last: int) -> None:
         """Copy the filled pages ``[first, last)`` of ``layer`` from ``slot`` to its host pages (D2H stream)."""

@@ -1,0 +1,103 @@
+"""Which stream the page gathers of :class:`~tidal_kv.PagedKVCache` go on: the side (H2D) stream or the
+compute stream (``gather_stream``).
+
+[Note: gathers on the compute stream] On a side stream a gather overlaps the layers computing before it, at
+the price of host work on every offloaded layer and step: a wait of the side stream on the slot's release, an
+event recorded after the copy and queried before attention, and issue calls that alternate between two
+streams. A batch-1 decode step is bound by the host, and the device idles for most of it: issued on the
+compute stream instead, with no event at all, the same copies ran in time the device had spare: an 8B
+decode step at 4k x 1 went from 0.894 to 0.912x DynamicCache with native pages and from 0.897 to 0.910x
+with NF4 pages, against the side stream in the same rounds (``kv-gather-stream-*``). Where the link decides
+(long contexts, batch 16) the copies must overlap compute: NF4 pages at 32k x 1 issued on the compute
+stream (there call by call, uncaptured) read 0.754 against 0.880x on the side stream.
+
+``gather_stream="auto"`` therefore measures two things, and keeps gathers on the compute stream only while
+their link time is a small share of the step:
+
+- the link: the time of one host chunk's copy to the device, once, when the cache first allocates;
+- the step: the host's time between two decode tokens of the first layer, the median over a window of
+  steps (a batch-1 step's time is what the host needs to issue it).
+
+Gathers move to the compute stream at batch 1 when a step's pages take under :data:`INLINE_BELOW` of the
+step on the link, and back to the side stream above :data:`SIDE_ABOVE` (or at another batch size). Between
+the two thresholds the current choice stays, so a step whose share hovers at one threshold does not switch
+back and forth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Literal
+
+GatherStream = Literal["auto", "side", "compute"]
+GATHER_STREAMS = ("auto", "side", "compute")
+
+INLINE_BELOW = 0.35
+"""Link share of a step under which ``"auto"`` issues gathers on the compute stream. With the device busy
+for about 45 % of a host-bound batch-1 step (8B at 4k: 8 of 18 ms), this keeps compute plus copies under the
+step."""
+SIDE_ABOVE = 0.5
+"""Link share of a step over which ``"auto"`` issues gathers on the side stream again."""
+WINDOW = 8
+"""Decode steps per decision (their median step time is compared)."""
+
+
+class GatherStreamPolicy:
+    """Decides, once per :data:`WINDOW` decode steps, whether gathers go on the compute stream.
+
+    Args:
+        mode: ``"side"`` and ``"compute"`` fix the answer; ``"auto"`` decides from measurements (see module
+            note).
+    """
+
+    __slots__ = ("_last", "_link_bps", "_steps", "inline", "mode")
+
+    def __init__(self, mode: GatherStream) -> None:
+        self.mode = mode
+        self.inline = mode == "compute"
+        self._link_bps: float | None = None  # host-to-device bytes per second, once measured
+        self._last: float | None = None  # perf_counter of the last decode token of the first layer
+        self._steps: list[float] = []
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the policy needs :meth:`set_link` and :meth:`step` (``"auto"`` only)."""
+        return self.mode == "auto"
+
+    def set_link(self, nbytes: int, seconds: float) -> None:
+        """Record one measured host-to-device copy of ``nbytes`` that took ``seconds``."""
+        if seconds > 0:
+            self._link_bps = nbytes / seconds
+
+    def restart(self) -> None:
+        """Forget the step times (a new sequence, or a prefill, is not a decode step)."""
+        self._last = None
+        self._steps.clear()
+
+    def step(self, step_bytes: int, batch: int) -> bool:
+        """Note a decode token of the first layer; returns True when the choice changed.
+
+        Args:
+            step_bytes: Bytes a decode step now gathers over the link (every offloaded layer's full pages).
+            batch: Sequences per batch.
+        """
+        now = time.perf_counter()
+        last, self._last = self._last, now
+        if last is None:
+            return False
+        self._steps.append(now - last)
+        if len(self._steps) < WINDOW:
+            return False
+        step_s = statistics.median(self._steps)
+        self._steps.clear()
+        was = self.inline
+        self.inline = self.wants_inline(step_bytes, batch, step_s, was)
+        return self.inline != was
+
+    def wants_inline(self, step_bytes: int, batch: int, step_s: float, inline_now: bool) -> bool:
+        """The decision for a step of ``step_s`` seconds that gathers ``step_bytes`` (see module note)."""
+        if self._link_bps is None or batch != 1 or step_s <= 0:
+            return False
+        share = step_bytes / self._link_bps / step_s
+        return share < (SIDE_ABOVE if inline_now else INLINE_BELOW)

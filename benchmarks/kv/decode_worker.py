@@ -115,8 +115,8 @@ ENGINE_VRAM = {
 
 
 STORAGE = {"tidal-fp8": "fp8", "tidal-nf4": "nf4"}  # TidalCache engines with quantized host pages
-# their host pages' bytes per bf16 byte at head_dim 128: e4m3 + a fp32 scale per row; NF4 + 4 fp32 scales
-PAGE_BYTES = {"tidal": 1.0, "tidal-fp8": 132 / 256, "tidal-nf4": 80 / 256}
+# their host pages' bytes per bf16 byte at head_dim 128: e4m3 + a fp32 scale per row; NF4 + 4 bf16 absmax
+PAGE_BYTES = {"tidal": 1.0, "tidal-fp8": 132 / 256, "tidal-nf4": 72 / 256}
 
 
 def report(rows: list[dict[str, Any]], markdown: str, json_path: Any = None) -> list[dict[str, Any]]:

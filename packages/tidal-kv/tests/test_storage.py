@@ -1,11 +1,21 @@
-"""FP8 page format and host page allocation."""
+"""FP8 and NF4 page formats and host page allocation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tidal_kv.storage import FP8_DTYPE, ChunkLayout, HostPagePool, dequantize_fp8, quantize_fp8
+import tidal_quant as tq
+from tidal_kv.storage import (
+    FP8_DTYPE,
+    NF4_BLOCK,
+    ChunkLayout,
+    HostPagePool,
+    decode_pages,
+    dequantize_fp8,
+    encode_pages,
+    quantize_fp8,
+)
 from tidal_testing import assert_sqnr
 
 
@@ -51,3 +61,24 @@ def test_host_pool_refusal_names_the_fixes(monkeypatch):
     assert isinstance(pool._arena.config, ArenaConfig)
     with pytest.raises(KVCacheError, match="resident_layers"):
         pool.reserve(4 << 20)
+
+
+@pytest.mark.parametrize("dtype, row_bytes", [(torch.bfloat16, 72), (torch.float16, 72), (torch.float32, 80)])
+def test_nf4_scales_are_kept_in_the_kv_dtype_without_changing_a_value(dtype, row_bytes):
+    # a 128-wide row: 64 packed bytes + four absmax in the K/V dtype (fp32 scales would make bf16 rows 80)
+    layout = ChunkLayout(1, 1, 1, 1, 128, dtype, "nf4")
+    assert (
+        layout.scale_dtype == dtype and layout.data_bytes + layout.scale_bytes == 2 * row_bytes
+    )  # K and V rows
+    x = (torch.randn(2, 1, 3, 16, 128, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    data, scales = encode_pages(x, "nf4")
+    assert scales.dtype == dtype
+    # the same decoded values as the fp32 absmax tidal-quant keeps for a weight: the absmax is one of x's values
+    weight = tq.quantize(x.reshape(-1, 128), "nf4", block_size=NF4_BLOCK)
+    assert torch.equal(scales.float().reshape(-1), weight.scales)
+    want = tq.dequantize(weight, dtype).view(x.shape)
+    assert torch.equal(decode_pages(data, scales, "nf4", dtype), want)
+    pool = HostPagePool(pin=False)
+    chunk = pool.chunk(layout)
+    assert chunk.scale.dtype == dtype and chunk.nbytes == layout.data_bytes + layout.scale_bytes
+    pool.release()

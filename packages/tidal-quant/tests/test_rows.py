@@ -42,7 +42,9 @@ def test_rows_are_the_bytes_quantize_makes_of_a_weight():
     data, scales = tq.nf4_encode_rows(x, 32)
     assert data.shape == (2, 3, 40, 64) and scales.shape == (2, 3, 40, 4)
     qw = tq.quantize(x.reshape(-1, 128), "nf4", block_size=32)
-    assert torch.equal(data.reshape(-1), qw.data) and torch.equal(scales.reshape(-1), qw.scales)
+    # the absmax in the rows' dtype (half fp32's bytes) holds the same values: each is one of x's
+    assert scales.dtype == torch.bfloat16 and torch.equal(scales.float().reshape(-1), qw.scales)
+    assert torch.equal(data.reshape(-1), qw.data)
     back = tq.nf4_decode_rows(data, scales, 32, torch.bfloat16)
     assert torch.equal(back, tq.dequantize(qw, torch.bfloat16).view(x.shape))
 
@@ -67,6 +69,7 @@ def test_reference_path_fills_only_the_token_range():
         ("d", "multiple"),
         ("dtype", "bf16"),
         ("bytes", "uint8"),
+        ("scales", "scales"),
     ],
 )
 def test_bad_layouts_are_refused_by_name(case, match):
@@ -82,6 +85,8 @@ def test_bad_layouts_are_refused_by_name(case, match):
         args["block_size"] = 96
     elif case == "dtype":
         args["dst"] = dst.to(torch.int32)
+    elif case == "scales":
+        args["scales"] = scales.to(torch.float64)
     else:
         args["data"] = data[:-1]
     with pytest.raises(QuantError, match=match):
@@ -95,11 +100,13 @@ _INTERP_ROWS = textwrap.dedent(
     """
     import torch
     from tidal_quant import _triton as T, reference as R
-    for tokens, start in ((48, 16), (5, 3)):  # 48 tokens: whole programs; 5: a masked last program
+    # 48 tokens: whole programs; 5: a masked last program; bf16 scales as tidal-kv's pages keep them
+    for tokens, start, sdt in ((48, 16, torch.float32), (5, 3, torch.float32), (48, 16, torch.bfloat16)):
         buf = torch.full((2, 2, 3, 96, 128), 7.0)
         dst = buf[:, :, :, start:start + tokens]
         x = torch.randn(dst.shape) * 0.1
         q, s = R.quantize_nf4(x.reshape(-1, 128), 64)
+        s = s.to(sdt)
         want = buf.clone()
         want[:, :, :, start:start + tokens] = R.dequantize_nf4(q, s, (q.numel() // 64, 128), 64,
                                                                torch.float32).view(dst.shape)
@@ -119,7 +126,10 @@ def test_rows_kernel_in_triton_interpreter(run_in_triton_interpreter):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens, start", [(48, 16), (5, 3)])
-def test_rows_kernel_is_bit_exact_on_cuda(dtype, tokens, start):
+@pytest.mark.parametrize("scales_in", ["fp32", "dst dtype"])
+def test_rows_kernel_is_bit_exact_on_cuda(dtype, tokens, start, scales_in):
     buf, dst, data, scales = _token_range("cuda", dtype, tokens, start)
+    if scales_in == "dst dtype":  # as tidal-kv's NF4 pages keep them
+        scales = scales.to(dtype)
     tq.nf4_decode_rows_into(dst, data, scales, 64)()
     assert_bitwise_equal(buf, _expected(buf, data, scales, start, tokens), f"{dtype} rows")

@@ -55,8 +55,8 @@ class KVConfig:
     """Dtype of K/V (updates must match); default None = the first update's dtype."""
     storage: Storage = "native"
     """Host-page format: "native" (the K/V dtype), "fp8" (e4m3 with one fp32 scale per token and head,
-    0.52x the host RAM and PCIe bytes of bf16 at head_dim 128, lossy) or "nf4" (NF4 with one fp32 absmax per
-    32 elements, 0.31x, lossier; head_dim a multiple of 32); default "native". Resident layers and each
+    0.52x the host RAM and PCIe bytes of bf16 at head_dim 128, lossy) or "nf4" (NF4 with one absmax per 32
+    elements, kept in the K/V dtype: 0.28x for bf16, lossier; head_dim a multiple of 32); default "native". Resident layers and each
     offloaded layer's partial page are always native."""
     device: torch.device | str | None = None
     """Device of the returned K/V; default None = the first update's device."""

@@ -261,8 +261,8 @@ def _dequant_4bit_kernel(
         s = (_decode_e4m3(sb) * tl.load(g_ptr))[:, None]
         first = byte & 15
         second = byte >> 4
-    else:  # nf4: fp32 absmax per block; high nibble = even element
-        s = sb[:, None]
+    else:  # nf4: absmax per block (fp32, or bf16 / fp16 from tidal-kv's pages); high nibble = even element
+        s = sb.to(tl.float32)[:, None]
         first = byte >> 4
         second = byte & 15
     v0 = tl.load(tab_ptr + first) * s  # [NG, 4] even elements (fp32, as the reference)

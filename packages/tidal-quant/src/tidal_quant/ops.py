@@ -361,7 +361,7 @@ def dequant_rows_launch(
 
     Args:
         data: uint8, the packed bytes of ``dst``'s elements in row-major order (contiguous).
-        scales: fp32 block scales, one per ``block_size`` of those elements.
+        scales: Block scales (fp32, bf16 or fp16), one per ``block_size`` of those elements.
         fmt: "nf4" (the only format supported here).
         block_size: Elements per scale; ``D`` must be a multiple of it.
         dst: bf16 / fp16 / fp32 ``[..., T, D]`` whose ``[T, D]`` rows are contiguous and evenly spaced (its
@@ -382,6 +382,8 @@ def dequant_rows_launch(
         kinds = "bf16 / fp16 / fp32, D a multiple of an even block_size"
         raise bad_arg("dst", f"{dst.dtype}, D={d}, block_size={block_size}", kinds)
     numel = dst.numel()
+    if scales.dtype not in OUT_DTYPES:
+        raise bad_arg("scales", scales.dtype, "fp32 / bf16 / fp16 block scales")
     if data.dtype != torch.uint8 or data.numel() * 2 != numel or scales.numel() * block_size != numel:
         need = f"uint8 x {numel // 2} and {numel // block_size} scales for dst's {numel} elements"
         raise bad_arg("data, scales", f"{data.dtype} x {data.numel()}, {scales.numel()} scales", need)

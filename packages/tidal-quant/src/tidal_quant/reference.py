@@ -142,12 +142,13 @@ def quantize_nf4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
 def dequantize_nf4(
     data: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in fp32, cast to ``dtype``."""
+    """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in fp32, cast to ``dtype`` (``absmax`` fp32, or
+    bf16 / fp16 as tidal-kv's pages keep it)."""
     numel = shape[0] * shape[1]
     codes = torch.stack([data >> 4, data & 0xF], dim=1).view(-1).long()  # [2 * bytes]
     nb = absmax.numel()
     vals = _pad_flat(nf4_code(data.device)[codes], nb * block_size).view(nb, block_size)
-    return (vals * absmax[:, None]).view(-1)[:numel].view(shape).to(dtype)
+    return (vals * absmax.float()[:, None]).view(-1)[:numel].view(shape).to(dtype)
 
 
 # ---------------------------------------------------------------------------------- double quant

@@ -2,7 +2,9 @@
 
 Unlike :func:`tidal_quant.quantize`, made for weights, these take any leading shape and do not check for
 non-finite values (that would read the tensor back to the host on every call); the bytes are the same
-format: two codes per byte, the even element in the high nibble, one fp32 absmax per block.
+format: two codes per byte, the even element in the high nibble, one absmax per block, kept here in the
+rows' own dtype (an absmax is the magnitude of one of the block's values, so that dtype holds it exactly, in
+half the bytes of fp32 for bf16 / fp16 rows).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ def nf4_encode_rows(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, tor
     """NF4 codes of ``x`` ``[..., D]`` (``D`` a multiple of ``block_size``; fp32 / fp16 / bf16).
 
     Returns:
-        ``(data, scales)``: uint8 ``[..., D / 2]`` and fp32 ``[..., D / block_size]``, on ``x``'s device
-        (Triton on CUDA, the reference elsewhere).
+        ``(data, scales)``: uint8 ``[..., D / 2]`` and ``[..., D / block_size]`` in ``x``'s dtype (the same
+        values as the fp32 absmax :func:`tidal_quant.quantize` gives), on ``x``'s device (Triton on CUDA, the
+        reference elsewhere).
     """
     d = x.shape[-1]
     data, scales = ops.quantize_blockwise(x.reshape(-1, d).contiguous(), block_size, True)
-    return data.view(*x.shape[:-1], d // 2), scales.view(*x.shape[:-1], d // block_size)
+    return data.view(*x.shape[:-1], d // 2), scales.to(x.dtype).view(*x.shape[:-1], d // block_size)
 
 
 def nf4_decode_rows(
@@ -45,7 +48,7 @@ def nf4_decode_rows_into(
     Args:
         dst: bf16 / fp16 / fp32, contiguous ``[T, D]`` rows whose leading dims collapse to one stride.
         data: Contiguous codes of ``dst``'s elements in row-major order (``[..., T, D / 2]`` uint8).
-        scales: Contiguous fp32 absmax, one per ``block_size`` of those elements.
+        scales: Contiguous absmax (fp32, bf16 or fp16), one per ``block_size`` of those elements.
         block_size: Elements per scale.
 
     Raises:

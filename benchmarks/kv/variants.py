@@ -19,7 +19,9 @@ With ``--storage fp8`` or ``nf4`` the variants and the measured engine (``tidal-
 - ``tidal-bare``: both, leaving the offloaded path's Python and its token and tail-page copies;
 - ``tidal-onestream``: the page copies on the compute stream, with no events (correct: stream order);
 - ``tidal-eager``: gathers never replayed as CUDA graphs (see [Note: gather graphs] in ``tidal_kv.slots``);
-- ``tidal-3slots``: three gather slots (not in the default list: an A/B of ``--slots`` in the same rounds).
+- ``tidal-3slots``: three gather slots (not in the default list: an A/B of ``--slots`` in the same rounds);
+- ``tidal-compute`` / ``tidal-side``: ``gather_stream`` fixed to "compute" / "side" whatever the engine passes
+  (not in the default list: an A/B of the stream ``"auto"`` picks, in the same rounds).
 
 The ``paired_ratio`` columns then split tidal's gap to DynamicCache between the offloaded layers' host
 path (``bare`` against ``resident``), their events and their copies.
@@ -77,6 +79,19 @@ def three_slots(files: dict[str, str]) -> None:
     _replace(files, "paged.py", "n_slots = min(c.prefetch_slots,", "n_slots = min(3,")
 
 
+def _fixed_stream(stream: str) -> Any:
+    def fixed(files: dict[str, str]) -> None:
+        _replace(
+            files,
+            "paged.py",
+            "self._policy = GatherStreamPolicy(gather_stream)",
+            f'self._policy = GatherStreamPolicy("{stream}")',
+        )
+
+    fixed.__doc__ = f'``gather_stream="{stream}"`` whatever the cache is given.'
+    return fixed
+
+
 def bare(files: dict[str, str]) -> None:
     """:func:`no_copies` and :func:`no_events`."""
     no_copies(files)
@@ -102,6 +117,8 @@ VARIANTS = {
     "tidal-onestream": one_stream,
     "tidal-eager": eager,
     "tidal-3slots": three_slots,
+    "tidal-compute": _fixed_stream("compute"),
+    "tidal-side": _fixed_stream("side"),
 }
 
 

@@ -180,8 +180,8 @@ class PagedKVCache(PageTransfers):
             and not (k.requires_grad or v.requires_grad)
             and self._lengths[layer] < self._capacity
         ):
-            if layer == 0 and self._timing:
-                self._time_step()
+            if self._timing and (layer == 0 or layer == self._num_layers - 1):
+                self._time_step(layer)
             if layer not in self._offloaded_set:
                 return self._step_resident(layer, k, v)
             slot = self._pending.get(layer)
@@ -465,12 +465,16 @@ class PagedKVCache(PageTransfers):
             self._measure_link()
             self._timing = True
 
-    def _time_step(self) -> None:
-        """A decode token of the first layer: let ``gather_stream="auto"`` decide (see :mod:`tidal_kv.policy`)."""
-        first = self._offloaded[0]
-        step_bytes = len(self._offloaded) * (self._lengths[first] // self._page_tokens) * self._page_bytes
-        if self._policy.step(step_bytes, self._shape[0]):
-            self._set_inline(self._policy.inline)
+    def _time_step(self, layer: int) -> None:
+        """A decode token of the first or last layer: time the step's span, and let ``gather_stream="auto"``
+        decide at its end (see :mod:`tidal_kv.policy`)."""
+        if layer == self._num_layers - 1:  # first: with one layer, it ends the last step and begins the next
+            first = self._offloaded[0]
+            step_bytes = len(self._offloaded) * (self._lengths[first] // self._page_tokens) * self._page_bytes
+            if self._policy.end_step(step_bytes, self._shape[0]):
+                self._set_inline(self._policy.inline)
+        if layer == 0:
+            self._policy.begin_step()
 
     def _set_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._res_at[layer] = KVRange(k, v)

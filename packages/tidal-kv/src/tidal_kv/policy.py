@@ -15,8 +15,12 @@ stream (there call by call, uncaptured) read 0.754 against 0.880x on the side st
 their link time is a small share of the step:
 
 - the link: the time of one host chunk's copy to the device, once, when the cache first allocates;
-- the step: the host's time between two decode tokens of the first layer, the median over a window of
-  steps (a batch-1 step's time is what the host needs to issue it).
+- the step: the host's time from a decode token of the first layer to the same step's token of the last
+  layer, the median over a window of steps (a batch-1 step's time is what the host needs to issue it). The
+  span leaves out the embedding, the head and sampling (a few per cent), which errs towards the side stream,
+  and it leaves out whatever the host does between steps: with several caches stepped in turn (benchmarks
+  that interleave engines) the time between two first-layer tokens held every other cache's step too, and
+  made a 32k x 1 NF4 step look short enough for the compute stream (0.835 there against 0.861x on the side).
 
 Gathers move to the compute stream at batch 1 when a step's pages take under :data:`INLINE_BELOW` of the
 step on the link, and back to the side stream above :data:`SIDE_ABOVE` (or at another batch size). Between
@@ -51,13 +55,13 @@ class GatherStreamPolicy:
             note).
     """
 
-    __slots__ = ("_last", "_link_bps", "_steps", "inline", "mode")
+    __slots__ = ("_began", "_link_bps", "_steps", "inline", "mode")
 
     def __init__(self, mode: GatherStream) -> None:
         self.mode = mode
         self.inline = mode == "compute"
         self._link_bps: float | None = None  # host-to-device bytes per second, once measured
-        self._last: float | None = None  # perf_counter of the last decode token of the first layer
+        self._began: float | None = None  # perf_counter of this step's decode token of the first layer
         self._steps: list[float] = []
 
     @property
@@ -72,21 +76,27 @@ class GatherStreamPolicy:
 
     def restart(self) -> None:
         """Forget the step times (a new sequence, or a prefill, is not a decode step)."""
-        self._last = None
+        self._began = None
         self._steps.clear()
 
-    def step(self, step_bytes: int, batch: int) -> bool:
-        """Note a decode token of the first layer; returns True when the choice changed.
+    def begin_step(self) -> None:
+        """Note a decode token of the first layer: a step's span starts."""
+        self._began = time.perf_counter()
+
+    def end_step(self, step_bytes: int, batch: int) -> bool:
+        """Note the same step's decode token of the last layer; returns True when the choice changed.
+
+        A step whose first layer was not noted (it took another path, or a prefill came between) is not
+        counted.
 
         Args:
             step_bytes: Bytes a decode step now gathers over the link (every offloaded layer's full pages).
             batch: Sequences per batch.
         """
-        now = time.perf_counter()
-        last, self._last = self._last, now
-        if last is None:
+        began, self._began = self._began, None
+        if began is None:
             return False
-        self._steps.append(now - last)
+        self._steps.append(time.perf_counter() - began)
         if len(self._steps) < WINDOW:
             return False
         step_s = statistics.median(self._steps)

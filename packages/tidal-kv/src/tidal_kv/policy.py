@@ -40,7 +40,8 @@ GATHER_STREAMS = ("auto", "side", "compute")
 INLINE_BELOW = 0.35
 """Link share of a step under which ``"auto"`` issues gathers on the compute stream. The cases measured on
 the GPU machine (8B, batch 1): native pages at 4k, about 27 % of the step (268 MB at 55 GB/s in an 18-20 ms
-step), gained on the compute stream; NF4 pages at 32k, about 61 %, lost there (uncaptured in that run)."""
+step), gained on the compute stream; NF4 pages at 32k, about 61 % (fp32 absmax then, 55 % with 16-bit
+ones), lost there (uncaptured in that run)."""
 SIDE_ABOVE = 0.5
 """Link share of a step over which ``"auto"`` issues gathers on the side stream again."""
 WINDOW = 8

@@ -36,7 +36,7 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from decode_worker import SDPA_BACKENDS, sdpa_backends  # noqa: E402
+from decode_worker import SDPA_BACKENDS, cache_kw, sdpa_backends  # noqa: E402
 from interleaved import paired_ratio  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def step_times(model: Any, cache: Any, prompt: Any, new_tokens: int) -> list[flo
 
     model.generate(
         prompt,
-        past_key_values=cache,
+        **{cache_kw(model): cache},
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,  # the same step count for every engine
         do_sample=False,

@@ -11,6 +11,7 @@ from tidal_kv.storage import (
     NF4_BLOCK,
     ChunkLayout,
     HostPagePool,
+    balanced_chunk_pages,
     decode_pages,
     dequantize_fp8,
     encode_pages,
@@ -82,3 +83,28 @@ def test_nf4_scales_are_kept_in_the_kv_dtype_without_changing_a_value(dtype, row
     chunk = pool.chunk(layout)
     assert chunk.scale.dtype == dtype and chunk.nbytes == layout.data_bytes + layout.scale_bytes
     pool.release()
+
+
+@pytest.mark.parametrize(
+    ("pages", "most", "want"), [(17, 13, 9), (26, 13, 13), (16, 13, 8), (129, 227, 129), (5, 0, 1)]
+)
+def test_chunks_are_evenly_filled(pages, most, want):
+    cp = balanced_chunk_pages(pages, most)
+    assert cp == want
+    chunks = -(-pages // cp)
+    assert cp <= max(1, most) and chunks == -(
+        -pages // max(1, min(pages, most))
+    )  # no more chunks than needed
+    assert chunks * cp - pages < chunks  # under one page of slack per chunk
+
+
+def test_host_pages_of_a_capacity_just_past_a_chunk(monkeypatch):
+    import tidal_kv.paged as paged_mod
+    from tidal_kv import PagedKVCache
+
+    # 17 pages of capacity, 13 per chunk at most: two chunks of 9 pages, not 13 + 13
+    layout = ChunkLayout(1, 1, 2, 4, 8, torch.float32)
+    monkeypatch.setattr(paged_mod, "_CHUNK_BYTES", 13 * (layout.data_bytes + layout.scale_bytes))
+    cache = PagedKVCache(2, 17 * 4, resident_layers=1, page_tokens=4)
+    cache.update(0, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    assert cache.memory()["host_bytes"] == 2 * 9 * layout.data_bytes

@@ -29,7 +29,14 @@ from tidal_kv.errors import KVConfigError
 from tidal_kv.policy import GatherStream, GatherStreamPolicy
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
-from tidal_kv.storage import ChunkLayout, HostPagePool, PageChunk, decode_pages, device_chunk
+from tidal_kv.storage import (
+    ChunkLayout,
+    HostPagePool,
+    PageChunk,
+    balanced_chunk_pages,
+    decode_pages,
+    device_chunk,
+)
 from tidal_kv.streams import CurrentStream, ranged, record, wait
 from tidal_kv.transfers import PageTransfers
 from tidal_kv.views import KVRange, TailPage
@@ -424,7 +431,7 @@ class PagedKVCache(PageTransfers):
         p = c.page_tokens
         self._capacity = -(-c.max_tokens // p) * p  # whole pages
         page_store, per_token, _ = self._bytes()
-        self._chunk_pages = max(1, min(self._capacity // p, _CHUNK_BYTES // max(page_store, 1)))
+        self._chunk_pages = balanced_chunk_pages(self._capacity // p, _CHUNK_BYTES // max(page_store, 1))
         self._place(per_token)
         self._offloaded_set = frozenset(self._offloaded)
         b, h, d = self._shape

@@ -147,6 +147,15 @@ def _packed(t: torch.Tensor, tokens: int) -> torch.Tensor:
 _STORAGE_OF = {FP8_DTYPE: "fp8", torch.uint8: "nf4"}
 
 
+def balanced_chunk_pages(pages: int, most: int) -> int:
+    """Pages per host chunk for ``pages`` of capacity, at most ``most`` (``_CHUNK_BYTES`` worth): as few chunks
+    as that allows, evenly filled, so the last one is not mostly empty (17 pages in chunks of 13 would
+    page-lock 26 pages of host memory; in two chunks of 9, 18)."""
+    most = max(1, min(pages, most))
+    chunks = -(-pages // most)
+    return -(-pages // chunks)
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """The layout of one chunk, shared by its host block and its device staging copy."""

@@ -17,7 +17,8 @@ What is measured: the cache is filled with *synthesized* random K/V through ``ca
 call a prefill makes; the prefill's own compute is not measured), ``context - warmup - steps`` tokens, so
 the last timed step attends over exactly ``context`` tokens. Then ``--warmup`` untimed steps and up to
 ``--steps`` timed ones (the offloaded engine: ``--offloaded-warmup`` / ``--offloaded-steps``), each
-synchronized as ``generate()`` does; tokens/s = batch / median step time. Decode VRAM peak = the peak
+ended by a device-wide synchronize (stricter than ``generate()``, which waits for the compute stream:
+``generate_rounds.py`` times ``generate()`` itself); tokens/s = batch / median step time. Decode VRAM peak = the peak
 during the timed steps minus the weights (K/V plus temporaries).
 
 Time boxes: a per-case limit (``--case-timeout``, and never past the engine's share of ``--budget-s``)

@@ -8,8 +8,10 @@ so a process killed at its deadline still leaves the rows it finished. Per case:
 2. fill: ``context - warmup - steps`` tokens of random K/V are written into the cache layer by layer through
    ``cache.update`` (the same call a prefill makes; the prefill's compute is not what is measured), so the
    last timed step attends over exactly ``context`` tokens;
-3. ``warmup`` untimed decode steps, then up to ``steps`` timed ones, each synchronized (as ``generate()``
-   does each step); tokens/s = batch / median step time.
+3. ``warmup`` untimed decode steps, then up to ``steps`` timed ones, each ended by a device-wide
+   synchronize (``generate()`` waits each step for the compute stream only, so a gather queued for the
+   next step is charged here and not there; ``generate_rounds.py`` times ``generate()`` itself);
+   tokens/s = batch / median step time.
 
 A per-case time limit (SIGALRM, checked by Python between operations) turns an overlong case into a
 ``timeout`` row with the phase it reached; timing also stops early, keeping the steps done, when the

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -36,8 +35,8 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from decode_worker import SDPA_BACKENDS, cache_kw, sdpa_backends  # noqa: E402
-from interleaved import paired_ratio  # noqa: E402
+from decode_worker import SDPA_BACKENDS, cache_kw, report  # noqa: E402
+from interleaved import ratio_cells, run_contexts, step_stats  # noqa: E402
 
 
 def step_times(model: Any, cache: Any, prompt: Any, new_tokens: int) -> list[float]:
@@ -80,9 +79,11 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
     for r in range(args.rounds + 1):  # round 0 warms every engine up and is not kept
         k = r % len(engines)
         for e in engines[k:] + engines[:k]:
-            cache = kept.get(e) or make_cache(e, model, max_tokens, args.page_tokens, args.slots)
-            if e in kept:
+            if e in kept:  # not `kept.get(e) or ...`: an empty cache may be falsy (len 0)
+                cache = kept[e]
                 cache.reset()
+            else:
+                cache = make_cache(e, model, max_tokens, args.page_tokens, args.slots)
             if cuda:
                 torch.cuda.synchronize()  # why: each generate() starts on an idle device, whatever ran before
             times = step_times(model, cache, prompt, args.new_tokens)[args.skip :]
@@ -90,26 +91,17 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
                 steps[e] += times
                 per_round[e].append(statistics.median(times))
             del cache
-    base = statistics.median(steps["dynamic"]) if "dynamic" in steps else None
-    rows = []
-    for e in engines:
-        med = statistics.median(steps[e])
-        row = {
+    rounds = SimpleNamespace(wall=per_round)  # one median step per engine and round, for paired_ratio
+    rows = [
+        {
             "engine": e,
             "context": ctx,
             "batch": args.batch,
             "rounds": args.rounds,
-            "steps": len(steps[e]),
-            "ms_per_step": 1e3 * med,
-            "ms_min": 1e3 * min(steps[e]),
-            "ms_max": 1e3 * max(steps[e]),
-            "tokens_per_s": args.batch / med,
-            "x_dynamic": base / med if base else None,
+            **step_stats(steps, rounds, e, args.batch),
         }
-        if base:
-            paired, lo, hi = paired_ratio(SimpleNamespace(wall=per_round), e, "dynamic")
-            row.update(x_dynamic_paired=paired, x_dynamic_ci95=[lo, hi])
-        rows.append(row)
+        for e in engines
+    ]
     kept.clear()
     release(cuda)
     return rows
@@ -123,11 +115,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        x = "-" if r["x_dynamic"] is None or r["engine"] == "dynamic" else f"{r['x_dynamic']:.3f}"
-        paired = "-"
-        if r.get("x_dynamic_paired") is not None and r["engine"] != "dynamic":
-            lo, hi = r["x_dynamic_ci95"]
-            paired = f"{r['x_dynamic_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
+        x, paired = ratio_cells(r, digits=3)
         lines.append(
             f"| {r['engine']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.1f} | "
             f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} | {paired} |"
@@ -151,26 +139,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = ap.parse_args(argv)
     if "dynamic" not in args.engines.split(","):
         ap.error(f"--engines={args.engines!r} must include dynamic: every ratio is to it")
-    import engines  # noqa: F401 - puts packages/*/src on the path
-    import torch
-    from decode import model_config
-    from decode_worker import build_model
-
     if args.smoke:
         args.context, args.page_tokens, args.new_tokens, args.skip, args.rounds = [64], 16, 12, 2, 2
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    model = build_model(model_config(args.smoke), device, torch.float32 if args.smoke else torch.bfloat16)
-    names = [e.strip() for e in args.engines.split(",")]
-    rows = []
-    for ctx in args.context:
-        with torch.no_grad(), sdpa_backends(args.sdpa):
-            for row in run_context(model, names, ctx, args):
-                print("RESULT " + json.dumps(row), flush=True)
-                rows.append(row)
-    print(table(rows))
-    if args.json:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
+    rows = run_contexts(args, run_context)
+    return report(rows, table(rows), args.json)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,18 @@ for _p in (HERE, HERE.parent):  # benchmarks/kv (decode_worker) and benchmarks/ 
 
 from decode_worker import SDPA_BACKENDS, report, sdpa_backends  # noqa: E402
 
-__all__ = ["StepClock", "host_ops", "main", "ops_table", "paired_ratio", "rounds", "split"]
+__all__ = [
+    "StepClock",
+    "host_ops",
+    "main",
+    "ops_table",
+    "paired_ratio",
+    "ratio_cells",
+    "rounds",
+    "run_contexts",
+    "split",
+    "step_stats",
+]
 
 
 class StepClock:
@@ -132,6 +143,67 @@ def paired_ratio(
     return statistics.median(ratios), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
+def step_stats(steps: dict[str, list[float]], clock: Any, name: str, batch: int) -> dict[str, Any]:
+    """``name``'s step times in ms and tokens/s, and its speed against DynamicCache's: over all steps
+    (``x_dynamic``) and round by round (:func:`paired_ratio` over ``clock.wall``, one time per engine and
+    round).
+
+    Args:
+        steps: Every engine's step times (seconds).
+        clock: The rounds (``clock.wall``: engine -> one time per round), a :class:`StepClock` or alike.
+        name: The engine.
+        batch: Sequences per step.
+    """
+    times = steps[name]
+    med = statistics.median(times)
+    base = statistics.median(steps["dynamic"]) if "dynamic" in steps else None
+    row: dict[str, Any] = {
+        "steps": len(times),
+        "ms_per_step": 1e3 * med,
+        "ms_min": 1e3 * min(times),
+        "ms_max": 1e3 * max(times),
+        "tokens_per_s": batch / med,
+        "x_dynamic": base / med if base else None,
+    }
+    if base:
+        paired, lo, hi = paired_ratio(clock, name, "dynamic")
+        row.update(x_dynamic_paired=paired, x_dynamic_ci95=[lo, hi])
+    return row
+
+
+def ratio_cells(row: dict[str, Any], digits: int = 2) -> tuple[str, str]:
+    """A row's two table cells against DynamicCache: over all steps, and round by round with its interval."""
+    if row["engine"] == "dynamic" or row["x_dynamic"] is None:
+        return "-", "-"
+    paired = "-"
+    if row.get("x_dynamic_paired") is not None:
+        lo, hi = row["x_dynamic_ci95"]
+        paired = f"{row['x_dynamic_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
+    return f"{row['x_dynamic']:.{digits}f}", paired
+
+
+def run_contexts(args: argparse.Namespace, run_context: Any) -> list[dict[str, Any]]:
+    """decode8b's model (the tiny Llama on the CPU with ``--smoke``) and ``run_context(model, engines, ctx, args)``
+    for every ``--context``, without autograd and with ``--sdpa``'s backends; each row printed as it comes."""
+    import engines  # noqa: F401 - puts packages/*/src on the path
+    import torch
+    from decode import model_config
+    from decode_worker import build_model
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    model = build_model(model_config(args.smoke), device, torch.float32 if args.smoke else torch.bfloat16)
+    names = [e.strip() for e in args.engines.split(",")]
+    rows = []
+    for ctx in args.context:
+        # why: decoding as generate() does (the cache keeps no autograd history)
+        with torch.no_grad(), sdpa_backends(args.sdpa):
+            for row in run_context(model, names, ctx, args):
+                row["sdpa"] = args.sdpa
+                print("RESULT " + json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def host_ops(steppers: dict[str, Any], n: int, sync: Any) -> dict[str, dict[str, float]]:
     """Per engine: each op's self host time per step (µs) over ``n`` steps under torch.profiler (CPU only).
 
@@ -199,28 +271,16 @@ def run_context(model: Any, engines: list[str], ctx: int, args: argparse.Namespa
     if args.profile_steps:
         print(f"context {ctx}: host ops that differ most between engines")
         print(ops_table(host_ops(steppers, args.profile_steps, sync)), flush=True)
-    times = clock.wall
-    base = statistics.median(times["dynamic"]) if "dynamic" in times else None
-    rows = []
-    for e in engines:
-        med = statistics.median(times[e])
-        rows.append(
-            {
-                "engine": e,
-                "context": ctx,
-                "batch": args.batch,
-                "steps": len(times[e]),
-                "ms_per_step": 1e3 * med,
-                "ms_min": 1e3 * min(times[e]),
-                "ms_max": 1e3 * max(times[e]),
-                "tokens_per_s": args.batch / med,
-                "x_dynamic": base / med if base else None,
-                **split(clock, e),
-            }
-        )
-        if base:
-            paired, lo, hi = paired_ratio(clock, e, "dynamic")
-            rows[-1].update(x_dynamic_paired=paired, x_dynamic_ci95=[lo, hi])
+    rows = [
+        {
+            "engine": e,
+            "context": ctx,
+            "batch": args.batch,
+            **step_stats(clock.wall, clock, e, args.batch),
+            **split(clock, e),
+        }
+        for e in engines
+    ]
     caches.clear()  # why: the K/V go before the next context is filled
     steppers.clear()
     release(cuda)
@@ -236,11 +296,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        x = "-" if r["x_dynamic"] is None or r["engine"] == "dynamic" else f"{r['x_dynamic']:.2f}"
-        paired = "-"
-        if r.get("x_dynamic_paired") is not None and r["engine"] != "dynamic":
-            lo, hi = r["x_dynamic_ci95"]
-            paired = f"{r['x_dynamic_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
+        x, paired = ratio_cells(r)
         lines.append(
             f"| {r['engine']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.1f} | "
             f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['tokens_per_s']:.1f} | {x} | {paired} | "
@@ -274,24 +330,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 64-token context")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
-    import engines  # noqa: F401 - puts packages/*/src on the path
-    import torch
-    from decode import model_config
-    from decode_worker import build_model
-
     if args.smoke:
         args.context, args.page_tokens = [64], 16
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    model = build_model(model_config(args.smoke), device, torch.float32 if args.smoke else torch.bfloat16)
-    names = [e.strip() for e in args.engines.split(",")]
-    rows = []
-    for ctx in args.context:
-        # why: decoding as generate() does (the cache keeps no autograd history)
-        with torch.no_grad(), sdpa_backends(args.sdpa):
-            for row in run_context(model, names, ctx, args):
-                row["sdpa"] = args.sdpa
-                print("RESULT " + json.dumps(row), flush=True)
-                rows.append(row)
+    rows = run_contexts(args, run_context)
     return report(rows, table(rows), args.json)
 
 

@@ -56,8 +56,8 @@ class KVConfig:
     storage: Storage = "native"
     """Host-page format: "native" (the K/V dtype), "fp8" (e4m3 with one fp32 scale per token and head,
     0.52x the host RAM and PCIe bytes of bf16 at head_dim 128, lossy) or "nf4" (NF4 with one absmax per 32
-    elements, kept in the K/V dtype: 0.28x for bf16, lossier; head_dim a multiple of 32); default "native". Resident layers and each
-    offloaded layer's partial page are always native."""
+    elements, kept in the K/V dtype: 0.28x for bf16, lossier; head_dim a multiple of 32); default "native".
+    Resident layers and each offloaded layer's partial page are always native."""
     device: torch.device | str | None = None
     """Device of the returned K/V; default None = the first update's device."""
     prefetch_slots: int = 2

@@ -20,7 +20,8 @@ their link time is a small share of the step:
   span leaves out the embedding, the head and sampling (a few per cent), which errs towards the side stream,
   and it leaves out whatever the host does between steps: with several caches stepped in turn (benchmarks
   that interleave engines) the time between two first-layer tokens held every other cache's step too, and
-  made a 32k x 1 NF4 step look short enough for the compute stream (0.835 there against 0.861x on the side).
+  made a 32k x 1 NF4 step look short enough for the compute stream (auto then read 0.839x, the side stream
+  0.861x in the same rounds).
 
 Gathers move to the compute stream at batch 1 when a step's pages take under :data:`INLINE_BELOW` of the
 step on the link, and back to the side stream above :data:`SIDE_ABOVE` (or at another batch size). Between

@@ -41,3 +41,6 @@ def test_layer_bytes_total_counts_slots_only_when_offloading():
     assert sizes.total(4, 4, 2) == 400
     assert sizes.total(4, 3, 2) == 300 + 100 + 10 + 20
     assert sizes.total(4, 0, 3) == 300 + 40 + 20
+    staged = LayerBytes(layer=100, tail=10, staging=20, slot_stage=30)  # quantized pages: a staging per slot
+    assert staged.total(4, 4, 2) == 400
+    assert staged.total(4, 3, 2) == 300 + 130 + 10 + 20

@@ -355,20 +355,22 @@ def test_memory_report_accounts_for_every_buffer():
     tails = 4 * 2 * 1 * 2 * 8 * 4 * 4
     staging = 4 * 2 * 1 * 2 * 8 * 4 * 4  # one chunk of the 4 pages of the capacity, for the flushes
     assert mem["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + staging
-    # fp8 pages are also staged on the way in (e4m3 data + fp32 scales per row), to be dequantized there
+    # fp8 pages are also staged on the way in (e4m3 data + fp32 scales per row), to be dequantized there:
+    # each slot has a staging buffer for the capacity's pages (here 4, as many as the flush chunk holds)
     fp8 = PagedKVCache(6, 32, resident_layers=2, page_tokens=8, storage="fp8")
     for n in (17, 1):
         for layer in range(6):
             fp8.update(layer, torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
     fp8_chunk = 4 * 2 * 1 * 2 * 8 * (4 * 1 + 4)
-    assert fp8.memory()["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + 2 * fp8_chunk
+    slot_stages = 2 * fp8_chunk
+    assert fp8.memory()["device_bytes"] == 2 * per_layer + 2 * per_layer + tails + fp8_chunk + slot_stages
     # nf4 (head_dim 32): 16 packed bytes + one fp32 scale per row; fp32 K/V, 8x the bytes per element above
     nf4 = PagedKVCache(6, 32, resident_layers=2, page_tokens=8, storage="nf4")
     for n in (17, 1):
         for layer in range(6):
             nf4.update(layer, torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32))
-    nf4_chunk = 4 * 2 * 1 * 2 * 8 * (16 + 4)  # staged both ways, like fp8's
-    assert nf4.memory()["device_bytes"] == 8 * (2 * per_layer + 2 * per_layer + tails) + 2 * nf4_chunk
+    nf4_chunk = 4 * 2 * 1 * 2 * 8 * (16 + 4)  # staged like fp8's: the flush chunk and one per slot
+    assert nf4.memory()["device_bytes"] == 8 * (2 * per_layer + 2 * per_layer + tails) + 3 * nf4_chunk
     assert nf4.memory()["host_bytes"] == 4 * nf4_chunk
     assert mem["host_bytes"] == 4 * per_layer
     assert mem["host_pages"] == 4 * 2
@@ -617,3 +619,37 @@ def test_any_schedule_of_updates_matches_concatenation(storage, layers, page, sl
         k, v = cache.gather(layer)
         want = expected(layer)
         assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+
+@pytest.mark.parametrize("storage", ["fp8", "nf4"])
+def test_quantized_pages_are_dequantized_by_their_own_layers_update(storage):
+    """[Note: dequantization off the link]: a prefetch only copies a layer's stored pages into the slot's
+    staging; the layer's update dequantizes them (with its partial page) before attention reads the slot."""
+    d = 32
+    cache = PagedKVCache(6, 64, resident_layers=[0, 2, 4], page_tokens=8, storage=storage)
+    g = torch.Generator().manual_seed(0)
+    ref = {}
+    for n in (20, 1, 1):  # a prefill of 2 full pages + 4 tokens, then decode steps
+        for layer in range(6):
+            kv = torch.randn(2, 1, 2, n, d, generator=g)  # [2, B, H, n, D]
+            ref[layer] = kv if layer not in ref else torch.cat([ref[layer], kv], dim=3)
+            slot = cache._pending.get(layer)
+            if n == 1 and layer in cache.offloaded_layers:
+                # three offloaded layers share two slots: the prefetch staged this layer's pages over
+                # another layer's K/V, and nothing has dequantized them yet
+                assert slot is not None and [p.key for p in slot.staged] == [(0, 2)]
+                pages = decode_pages(*encode_pages(ref[layer][:, :, :, :16], storage), storage, kv.dtype)
+                assert not torch.equal(slot.kv[:, :, :, :16], pages)
+            keys, values = cache.update(layer, kv[0], kv[1])
+            if layer in cache.offloaded_layers:
+                assert not slot.staged if slot is not None else True
+                full = ref[layer].shape[3] // 8 * 8
+                pages = decode_pages(*encode_pages(ref[layer][:, :, :, :full], storage), storage, kv.dtype)
+                want = torch.cat([pages, ref[layer][:, :, :, full:]], dim=3)
+            else:
+                want = ref[layer]
+            assert torch.equal(keys, want[0]) and torch.equal(values, want[1]), (n, layer)
+    slot = cache._slots[0]
+    slot.staged.append(slot.plans[slot.owner])
+    slot.take(5 if slot.owner != 5 else 3)  # another layer's staged pages are dropped with the slot
+    assert slot.staged == [] and slot.pages == 0

@@ -257,14 +257,18 @@ class LayerBytes:
     tail: int
     """K+V of one offloaded layer's partial page."""
     staging: int
-    """The two staging chunks (gather and flush), present when any layer is offloaded."""
+    """The flush staging chunk, present when any layer is offloaded."""
+    slot_stage: int = 0
+    """Quantized storage: one gather slot's staging buffer (a layer's pages in their stored format, at the
+    capacity); 0 for native pages, which land in the slot directly."""
 
     def total(self, num_layers: int, resident: int, slots: int) -> int:
         """Device bytes with ``resident`` layers in VRAM and ``slots`` gather slots for the rest."""
         off = num_layers - resident
         if not off:
             return resident * self.layer
-        return resident * self.layer + min(slots, off) * self.layer + off * self.tail + self.staging
+        slot = self.layer + self.slot_stage
+        return resident * self.layer + min(slots, off) * slot + off * self.tail + self.staging
 
 
 def place_layers(config: KVConfig, budget: int | None, sizes: LayerBytes) -> tuple[list[int], str]:

@@ -238,8 +238,11 @@ class PagedKVCache(PageTransfers):
         wk.copy_(k)
         wv.copy_(v)
         # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
-        # goes behind the gathered pages
-        slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
+        # goes behind the gathered pages; staged quantized pages are dequantized with it
+        if slot.staged:
+            self._finish(slot, compute, page, tail.buf)
+        else:
+            slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)
@@ -318,7 +321,8 @@ class PagedKVCache(PageTransfers):
         self._pending.clear()
         self._current = None
         for slot in self._slots:
-            slot.owner, slot.pages, slot.ready, slot.free_after = None, 0, None, None
+            slot.take(None)
+            slot.ready, slot.free_after = None, None
         self._flush_done = {}
 
     def memory(self) -> dict[str, Any]:
@@ -334,11 +338,10 @@ class PagedKVCache(PageTransfers):
         for kv_at in self._res_at.values():
             dev += 2 * kv_at.k.numel() * kv_at.k.element_size()
         for s in self._slots:
-            dev += 2 * s.k.numel() * s.k.element_size()
+            dev += 2 * s.k.numel() * s.k.element_size() + (s.stage.nbytes if s.stage is not None else 0)
         for tail_page in self._tails.values():
             dev += tail_page.buf.numel() * tail_page.buf.element_size()
-        for st in (self._h2d_stage, self._d2h_stage):
-            dev += st.nbytes if st is not None else 0
+        dev += self._d2h_stage.nbytes if self._d2h_stage is not None else 0
         all_res = 0
         if self._shape is not None:
             b, h, d = self._shape
@@ -405,7 +408,6 @@ class PagedKVCache(PageTransfers):
         self._current: Slot | None = None
         self._flush_done: dict[int, Any] = {}  # layer -> event: its last D2H page copy finished
         self._d2h_free: Any = None  # event: the D2H staging chunk may be overwritten
-        self._h2d_stage: PageChunk | None = None
         self._d2h_stage: PageChunk | None = None
         self._offloaded_set: frozenset[int] = frozenset()
         self._ahead: list[tuple[int, ...]] = []  # per layer: the offloaded layers its update prefetches
@@ -426,6 +428,7 @@ class PagedKVCache(PageTransfers):
         self._shape = (k.shape[0], k.shape[1], k.shape[3])
         self._dtype, self._device = k.dtype, k.device
         self._storage = c.storage
+        self._quantized = c.storage != "native"  # pages are staged in their format, then dequantized
         check_head_dim(c.storage, self._shape[2])
         self._cuda = self._device.type == "cuda"
         p = c.page_tokens
@@ -459,14 +462,11 @@ class PagedKVCache(PageTransfers):
             self._host[layer] = []
             self._ensure_host_pages(layer, self._capacity // p)
         n_slots = min(c.prefetch_slots, len(self._offloaded))
-        self._slots = [Slot(self._empty_slot(self._capacity)) for _ in range(n_slots)]
+        self._slots = [self._new_slot(self._capacity) for _ in range(n_slots)]
         self._ahead = [prefetch_order(layer, self._offloaded, n_slots) for layer in range(c.num_layers)]
         self._page_bytes = (
             self._chunk_layout.data_bytes + self._chunk_layout.scale_bytes
         ) // self._chunk_pages
-        # quantized pages are dequantized on the device from a staging chunk; native pages need none
-        quantized = self._chunk_layout.quantized
-        self._h2d_stage = device_chunk(self._chunk_layout, self._device) if quantized else None
         self._d2h_stage = device_chunk(self._chunk_layout, self._device)
         if self._cuda and self._policy.measuring:
             self._measure_link()
@@ -491,9 +491,18 @@ class PagedKVCache(PageTransfers):
         mk = lambda: torch.empty(b, h, cap, d, dtype=self._dtype, device=self._device)  # noqa: E731
         return mk(), mk()
 
-    def _empty_slot(self, cap: int) -> torch.Tensor:
+    def _new_slot(self, cap: int) -> Slot:
+        """A gather slot of ``cap`` tokens ``[2, B, H, cap, D]``, with a staging buffer for quantized pages
+        (see [Note: dequantization off the link] in :mod:`tidal_kv.slots`)."""
         b, h, d = self._shape
-        return torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)  # [2, B, H, cap, D]
+        kv = torch.empty(2, b, h, cap, d, dtype=self._dtype, device=self._device)  # [2, B, H, cap, D]
+        return Slot(kv, device_chunk(self._stage_layout(cap), self._device) if self._quantized else None)
+
+    def _stage_layout(self, cap: int) -> ChunkLayout:
+        """The layout of a slot's staging buffer: ``cap`` tokens of pages in their stored format."""
+        b, h, d = self._shape
+        p = self._page_tokens
+        return ChunkLayout(cap // p, b, h, p, d, self._dtype, self._storage)
 
     def _place(self, per_token: int) -> None:
         """Decide resident vs offloaded layers (records the decision)."""
@@ -502,8 +511,10 @@ class PagedKVCache(PageTransfers):
         if c.resident_layers == "auto" and budget is None and self._cuda:
             free, _ = torch.cuda.mem_get_info(self._device)
             budget = int(free * c.vram_fraction)
+        page_store = self._bytes()[0]
+        stage = page_store * (self._capacity // c.page_tokens) if self._quantized else 0
         sizes = LayerBytes(
-            per_token * self._capacity, per_token * c.page_tokens, 2 * self._chunk_pages * self._bytes()[0]
+            per_token * self._capacity, per_token * c.page_tokens, self._chunk_pages * page_store, stage
         )
         self._offloaded, note = place_layers(c, budget, sizes)
         self._resident = sorted(set(range(c.num_layers)) - set(self._offloaded))
@@ -531,7 +542,7 @@ class PagedKVCache(PageTransfers):
             self._set_resident(layer, nk, nv)
         if self._slots:
             self._sync_copies()  # why: queued gathers still write into the old slots
-            self._slots = [Slot(self._empty_slot(new_cap)) for _ in self._slots]
+            self._slots = [self._new_slot(new_cap) for _ in self._slots]
             self._pending.clear()
             self._current = None
         self._capacity = new_cap
@@ -566,6 +577,8 @@ class PagedKVCache(PageTransfers):
         if slot.ready is not None:
             wait(compute, slot.ready)  # why: the gathered pages must land before the slot is read or written
             slot.ready = None
+        if slot.staged:
+            self._finish(slot, compute)
         # the partial page and the new tokens meet in the slot; filled pages drain to the host, and what stays
         # partial goes back to the tail (a decode step's single token takes `_step_offloaded` instead)
         t_old = s - full_old * p

@@ -8,12 +8,15 @@ changes.
 
 [Note: gather graphs] A gather of NF4 pages is two copies and a dequantization launch: 61 µs of host time
 on the GPU machine issued call by call, most of it the Triton launch; fp8's 52 (``kv-host-costs-gathers-*``).
-From its second use a plan of more than one operation is captured as one CUDA graph
-(:class:`tidal_arena.StreamGraph`) and replayed with one launch, 6.5 µs. An 8B decode step with NF4 pages
-went from 0.78-0.81 to 0.87-0.90x DynamicCache at 32k x 1 and 4k x 1 (``kv-variants-nf4-graphs-*``). The
-graph holds the plan's pointers, which stay valid as long as the plan: host chunks are only appended to, and
-the slot and the staging chunk live as long as the slot that holds the plan. Where a capture fails, every
-later gather of the process stays eager (logged once).
+From its second use a plan's copies (when more than one) and its dequantization (with the partial page's
+copy, see [Note: dequantization off the link]) are each captured as one CUDA graph
+(:class:`tidal_arena.StreamGraph`, via :class:`ReplayedCalls`) and replayed with one launch, 6.5 µs. An 8B
+decode step with NF4 pages went from 0.78-0.81 to 0.87-0.90x DynamicCache at 32k x 1 and 4k x 1
+(``kv-variants-nf4-graphs-*``, copies and dequantization then in one graph). Copies issued call by call
+instead of replayed read 0.856 against 0.873x at NF4 32k x 1 in the same rounds (``kv-nf4-decode-off-link``).
+A graph holds its plan's pointers, which stay valid as long as the plan: host chunks are only appended to,
+and the slot, its staging and the layer's partial page live as long as the slot that holds the plan.
+Where a capture fails, every later gather of the process stays eager (logged once).
 """
 
 from __future__ import annotations
@@ -51,37 +54,34 @@ logger = logging.getLogger(__name__)
 _capture_failed: list[str] = []  # why a capture failed in this process (then no plan captures again)
 
 
-@dataclass(eq=False)
-class GatherPlan:
-    """The runs of one gather (a layer's pages ``[first, pages)`` into one slot), issued eagerly on first use
-    and replayed as one CUDA graph from the second (see [Note: gather graphs])."""
+class ReplayedCalls:
+    """Calls that queue work on one stream, issued eagerly on first use and replayed as one CUDA graph from
+    the second (see [Note: gather graphs]).
 
-    key: tuple[int, int]
-    """``(first, pages)``: the page range."""
-    runs: list[GatherRun]
-    """The runs in page order."""
-    uses: int = 0
-    """Times issued."""
-    graph: StreamGraph | None = None
-    """The captured plan, once captured."""
-    capture: bool = True
-    """Whether to capture on the next use (False: one operation only, or a capture failed)."""
+    Args:
+        calls: Each takes the stream to queue on (None on the CPU, where work runs at once).
+        capture: Whether to capture on the second use (False: not worth a graph, e.g. a single copy).
+    """
 
-    def __post_init__(self) -> None:
-        ops = sum(len(run.copies) + (run.decode is not None) for run in self.runs)
-        self.capture = ops > 1  # why: a single copy costs no more to issue than a graph launch
+    __slots__ = ("calls", "capture", "graph", "uses")
+
+    def __init__(self, calls: tuple[Callable[[Any], None], ...], capture: bool) -> None:
+        self.calls = calls
+        self.capture = capture
+        self.uses = 0
+        self.graph: StreamGraph | None = None
 
     def issue(self, stream: Any, capture_stream: Any = None) -> None:
-        """Queue the gather on ``stream``: the H2D stream, the compute stream, or None on the CPU (copies run
-        at once). A capture runs on ``capture_stream`` (default ``stream``): a side stream, since the compute
-        stream may be the legacy default stream, which cannot capture; the graph then launches on ``stream``."""
+        """Queue the calls on ``stream``: a side stream, the compute stream, or None on the CPU. A capture runs
+        on ``capture_stream`` (default ``stream``): a side stream, since the compute stream may be the legacy
+        default stream, which cannot capture; the graph then launches on ``stream``."""
         if self.graph is not None:
-            self.graph.launch(stream)  # why: the gather's stream (see [Note: gathers on the compute stream])
+            self.graph.launch(stream)  # why: the caller's stream orders the replay (see the callers)
             return
         self.uses += 1
         capture_on = stream if capture_stream is None else capture_stream
         if self.uses > 1 and self.capture and capture_on is not None and not _capture_failed:
-            self.capture = False  # one attempt per plan
+            self.capture = False  # one attempt
             try:
                 self.graph = StreamGraph.capture(capture_on, lambda: self._queue(capture_on))
             except RuntimeError as exc:  # e.g. a decoder that allocates: stay eager, and say why once
@@ -93,24 +93,82 @@ class GatherPlan:
         self._queue(stream)
 
     def _queue(self, stream: Any) -> None:
-        """Issue every run's copies and dequantization on ``stream``, one call each."""
+        for call in self.calls:
+            call(stream)
+
+
+def _on_stream(fn: Callable[[], Any]) -> Callable[[Any], None]:
+    """``fn`` (which queues on the current stream) as a call that queues on a given stream."""
+
+    def call(stream: Any) -> None:
+        with on(stream):  # why: the stream the caller orders this work on
+            fn()
+
+    return call
+
+
+@dataclass(eq=False)
+class GatherPlan:
+    """The runs of one gather (a layer's pages ``[first, pages)`` into one slot) as two replayed parts.
+
+    [Note: dequantization off the link] Quantized pages are copied into the slot's staging buffer by the
+    gather (:attr:`copies`, on the H2D stream) and dequantized into the slot only by the layer's own update
+    (:attr:`finish`, on the compute stream, just before attention reads them). Dequantized on the H2D stream
+    instead, each gather's kernels held the link idle until they finished: in an 8B decode step at 4k x 16
+    with NF4 pages, 1.45 ms of the H2D stream's 22.9 ms per step (profiled). Where the link decides, the step
+    now runs at its floor: NF4 16k x 16 89.6 ms against 97.1 with the dequantization on the H2D stream, in the
+    same rounds, for 88 ms of copies (``kv-nf4-decode-off-link``). The price is VRAM: each slot keeps its own
+    staging buffer, the capacity's pages in their stored format (0.28x a slot for NF4), since a gather into
+    one slot may land while the other slot's pages are still being dequantized.
+    """
+
+    key: tuple[int, int]
+    """``(first, pages)``: the page range."""
+    runs: list[GatherRun]
+    """The runs in page order."""
+    tail_copy: Callable[[Any], None] | None = None
+    """Quantized storage: copies the layer's partial page behind the gathered pages (the decode step's last
+    write before attention), replayed with the dequantization; None for native pages or a test's plan."""
+    copies: ReplayedCalls = field(init=False)
+    """Every run's host-to-device copies; a single copy costs no more to issue than a graph launch, so it is
+    never captured."""
+    finish: ReplayedCalls | None = field(init=False)
+    """Quantized storage: every run's dequantization, then :attr:`tail_copy`; None for native pages."""
+
+    def __post_init__(self) -> None:
+        copies = tuple(c for run in self.runs for c in run.copies)
+        self.copies = ReplayedCalls(copies, capture=len(copies) > 1)
+        decodes = tuple(_on_stream(run.decode) for run in self.runs if run.decode is not None)
+        tail = (self.tail_copy,) if self.tail_copy is not None else ()
+        self.finish = ReplayedCalls(decodes + tail, capture=True) if decodes else None
+
+    @property
+    def graph(self) -> StreamGraph | None:
+        """The copies' graph, once captured."""
+        return self.copies.graph
+
+    def issue(self, stream: Any, capture_stream: Any = None) -> None:
+        """Queue the gather's copies on ``stream`` (see :meth:`ReplayedCalls.issue`)."""
+        self.copies.issue(stream, capture_stream)
+
+    def decode_now(self) -> None:
+        """Dequantize the staged pages on the current stream, call by call (the rare paths: a prefill, a page
+        boundary, pages gathered in more than one piece)."""
         for run in self.runs:
-            for copy in run.copies:
-                copy(stream)  # why: on the H2D stream, so it runs while the compute stream works
             if run.decode is not None:
-                # why: the dequantization reads the staging the copies above fill: same stream, in order
-                with on(stream):
-                    run.decode()
+                run.decode()
 
 
 @dataclass(eq=False)
 class Slot:
-    """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid.
+    """A device buffer an offloaded layer is gathered into; ``owner``'s first ``pages`` pages are valid once
+    the gathers in :attr:`staged` are finished (see [Note: dequantization off the link]).
 
     Slots compare by identity (``eq=False``): the cache tests membership of slots in small lists.
     """
 
     kv: torch.Tensor  # [2, B, H, cap, D]: K and V in one buffer, so one copy moves both
+    stage: PageChunk | None = None  # quantized storage: [2, B, H, cap, ·] packed pages, copied in by gathers
     owner: int | None = None
     pages: int = 0
     ready: Any = None  # event: the H2D copy into this slot finished
@@ -126,12 +184,19 @@ class Slot:
     both: KVRange = field(init=False)  # ... of k and v, [B, H, n, D] each
     # layer -> the plan of the last gather of that layer into this slot
     plans: dict[int, GatherPlan] = field(init=False, default_factory=dict)
+    # gathers whose pages sit in `stage`, not dequantized into `kv` yet (in order)
+    staged: list[GatherPlan] = field(init=False, default_factory=list)
     # page index -> kv's [2, B, H, P, D] view of that page (see `page`)
     _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.k, self.v = self.kv.unbind(0)
         self.kv_at, self.both = TokenRange(self.kv), KVRange(self.k, self.v)
+
+    def take(self, layer: int | None) -> None:
+        """Give the slot to ``layer`` (None: to no one), holding none of its pages."""
+        self.owner, self.pages = layer, 0
+        self.staged.clear()  # why: another layer's staged pages are no use to this one
 
     def page(self, index: int, page_tokens: int) -> torch.Tensor:
         """The ``[2, B, H, P, D]`` view of page ``index`` (made on first use, then kept: a decode step copies
@@ -148,7 +213,7 @@ class Slot:
         pages: int,
         chunks: list[PageChunk],
         layout: ChunkLayout,
-        stage: PageChunk | None,
+        tail: torch.Tensor | None = None,
     ) -> GatherPlan:
         """The plan that gathers ``layer``'s pages ``[first, pages)`` from ``chunks`` into this slot.
 
@@ -158,11 +223,11 @@ class Slot:
             pages: One past the last page.
             chunks: The layer's host chunks, ``[2, B, H, C·P, D]`` each (only ever appended to).
             layout: Their layout (pages per chunk, tokens per page).
-            stage: quantized storage: the device staging chunk the pages land in before dequantization; else
-                None.
+            tail: The layer's partial page ``[2, B, H, P, D]``; quantized storage copies it behind the pages
+                when it finishes the gather (:attr:`GatherPlan.tail_copy`).
 
         Returns:
-            The plan; cached, so the same range returns the same plan (views, graph) without rebuilding it.
+            The plan; cached, so the same range returns the same plan (views, graphs) without rebuilding it.
         """
         key = (first, pages)
         hit = self.plans.get(layer)
@@ -176,14 +241,18 @@ class Slot:
             m = min(cp - i0, pages - page)
             src = chunks[chunk].tokens(i0 * p, (i0 + m) * p)
             dst = self.kv[:, :, :, page * p : (page + m) * p]
-            if stage is None:  # native pages: the host rows land straight in the slot's token range
+            if self.stage is None:  # native pages: the host rows land straight in the slot's token range
                 runs.append(GatherRun(m, dst, (RowCopy(dst, src.data, 3),), None))
-            else:
-                staged = stage.packed(m * p)
+            else:  # each run's pages at their own place in the staging buffer, dequantized by `finish`
+                staged = self.stage.packed(m * p, page * p)
                 copies = (RowCopy(staged.data, src.data, 3), RowCopy(staged.scale, src.scale, 3))
                 runs.append(GatherRun(m, dst, copies, staged.decoder(dst)))
             page += m
-        plan = self.plans[layer] = GatherPlan(key, runs)
+        tail_copy = None
+        if self.stage is not None and tail is not None and (pages + 1) * p <= self.kv.shape[3]:
+            behind = self.page(pages, p)  # [2, B, H, P, D]
+            tail_copy = _on_stream(lambda: behind.copy_(tail))
+        plan = self.plans[layer] = GatherPlan(key, runs, tail_copy)
         return plan
 
 
@@ -219,7 +288,7 @@ def pick_slot(
         for s in free[1:]:
             if (s.owner is not None, s.pages) < (slot.owner is not None, slot.pages):
                 slot = s
-        slot.owner, slot.pages = layer, 0
+        slot.take(layer)
     else:
         stats.pages_reused += slot.pages
     slot.prefetched_pages = 0

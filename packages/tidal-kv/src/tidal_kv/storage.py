@@ -108,11 +108,12 @@ class PageChunk:
         self.scale.copy_(scale)
         kv.copy_(decode_pages(q, scale, storage, kv.dtype))
 
-    def packed(self, tokens: int) -> PageChunk:
-        """The first ``tokens`` of every row packed at the start of this buffer (and of its scales): a
-        contiguous staging view, ``[2, B, H, tokens, ·]``."""
-        scale = _packed(self.scale, tokens) if self.scale is not None else None
-        return PageChunk(_packed(self.data, tokens), scale)
+    def packed(self, tokens: int, start: int = 0) -> PageChunk:
+        """``tokens`` of every row packed into this buffer (and its scales) where a packed ``[2, B, H, start, ·]``
+        would end: a contiguous staging view, ``[2, B, H, tokens, ·]``. Views of disjoint token ranges
+        ``[start, start + tokens)`` do not overlap, so a gather's runs can be staged side by side."""
+        scale = _packed(self.scale, tokens, start) if self.scale is not None else None
+        return PageChunk(_packed(self.data, tokens, start), scale)
 
     def decoder(self, dst: torch.Tensor) -> Callable[[], Any]:
         """A reusable dequantization of this (device, contiguous) quantized chunk into ``dst``, the
@@ -138,10 +139,12 @@ class PageChunk:
         return n
 
 
-def _packed(t: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``[2, B, H, tokens, C]`` at the start of ``t`` ``[2, B, H, T, C]``'s memory (contiguous)."""
+def _packed(t: torch.Tensor, tokens: int, start: int = 0) -> torch.Tensor:
+    """``[2, B, H, tokens, C]`` in ``t`` ``[2, B, H, T, C]``'s memory from element ``2·B·H·start·C`` on
+    (contiguous)."""
     two, b, h, _, c = t.shape
-    return t.view(-1)[: two * b * h * tokens * c].view(two, b, h, tokens, c)
+    row = two * b * h * c
+    return t.view(-1)[row * start : row * (start + tokens)].view(two, b, h, tokens, c)
 
 
 _STORAGE_OF = {FP8_DTYPE: "fp8", torch.uint8: "nf4"}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tidal_arena import RowCopy, copy_rows
-from tidal_kv.slots import Slot, pick_slot
+from tidal_kv.slots import GatherPlan, Slot, pick_slot
 from tidal_kv.streams import on, profiled, ranged, record, synchronize, wait
 
 logger = logging.getLogger(__name__)
@@ -77,10 +77,10 @@ class PageTransfers:
         # the decode step's case: the same pages as the last gather of this layer into this slot
         plan = slot.plans.get(layer)
         if plan is None or plan.key != (first, pages):
-            plan = slot.gather_plan(
-                layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage
-            )
+            plan = self._plan(layer, slot, first, pages)
         plan.issue(h2d)
+        if plan.finish is not None:
+            slot.staged.append(plan)  # dequantized by the layer's update (see `_finish`)
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
         return self._gathered(slot, first, pages)
@@ -95,11 +95,39 @@ class PageTransfers:
         flushed = self._flush_done.pop(layer, None)
         if flushed is not None:
             wait(compute, flushed)  # why: these host pages may still be in flight D2H
-        plan = slot.gather_plan(layer, first, pages, self._host[layer], self._chunk_layout, self._h2d_stage)
+        plan = self._plan(layer, slot, first, pages)
         plan.issue(compute, self._h2d)  # why: captured on the side stream, launched in compute order
+        if plan.finish is not None:
+            slot.staged.append(plan)  # dequantized by the layer's update (see `_finish`)
         self._inline_used = self._cuda
         self.stats.inline_gathers += 1
         return self._gathered(slot, first, pages)
+
+    def _plan(self, layer: int, slot: Slot, first: int, pages: int) -> GatherPlan:
+        """The (cached) plan of a gather of ``layer``'s pages ``[first, pages)`` into ``slot``."""
+        tail = self._tails[layer].buf  # [2, B, H, P, D]
+        return slot.gather_plan(layer, first, pages, self._host[layer], self._chunk_layout, tail)
+
+    def _finish(self, slot: Slot, compute: Any, page: int | None = None, tail: Any = None) -> None:
+        """Dequantize ``slot``'s staged pages on the compute stream, after their copies landed and before
+        attention reads them (see [Note: dequantization off the link] in :mod:`tidal_kv.slots`); with ``page``,
+        also copy the layer's partial page ``tail`` behind them, as a decode step does.
+
+        A decode step's one gather of the same pages as the step before replays both as one graph, launched
+        where the partial page's own copy would have been.
+        """
+        staged = slot.staged
+        plan = staged[0]
+        if page is not None and len(staged) == 1 and plan.key[1] == page and plan.tail_copy is not None:
+            plan.finish.issue(
+                compute, self._h2d
+            )  # why: captured on the side stream, launched in compute order
+        else:
+            for plan in staged:
+                plan.decode_now()
+            if page is not None:
+                slot.page(page, self._page_tokens).copy_(tail)  # [2, B, H, P, D]
+        staged.clear()
 
     def _gathered(self, slot: Slot, first: int, pages: int) -> int:
         """Count a gather of pages ``[first, pages)`` into ``slot``; returns the pages copied."""

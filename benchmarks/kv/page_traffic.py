@@ -14,7 +14,10 @@ stream (16 MiB at the decode8b shape), and the compute stream's wait for it. Var
 - ``waits``: the compute stream waits for the copy issued two layers before (long finished when the host
   gets there: the step is bound by the host);
 - ``query``: the same, but waits only when ``Event.query()`` says the copy is still running (what
-  :func:`tidal_kv.streams.wait` does).
+  :func:`tidal_kv.streams.wait` does);
+- ``link<N>`` (one per ``--link-mb N``): N MB in one copy at the start of the step, nothing waits for it.
+  It asks whether the link's traffic alone slows the host that issues the step: what NF4 pages move per
+  step is about 600 MB at 32k x 1 and 1,130 MB at 4k x 16 (``--link-mb 600 1130``).
 
 ``tidal-resident`` and ``tidal`` (TidalCache with no / half the layers offloaded) run in the same rounds.
 Each line: the median step and the median of the round-by-round ratios to DynamicCache.
@@ -40,7 +43,7 @@ MODES = ("big", "copies", "waits", "query")
 class Traffic:
     """A forward pre-hook that issues the page traffic of one variant at every other attention layer."""
 
-    def __init__(self, shape: tuple[int, ...], device: str) -> None:
+    def __init__(self, shape: tuple[int, ...], device: str, link_mb: tuple[int, ...] = ()) -> None:
         import torch
 
         from tidal_arena import RowCopy
@@ -55,6 +58,12 @@ class Traffic:
         big_host = big_host.pin_memory() if cuda else big_host
         big = torch.empty((n_off, *shape), dtype=torch.bfloat16, device=device)
         self.big = RowCopy(big, big_host, 1)  # one step's pages in one copy
+        self.link = {}  # "link<N>" -> a copy of N MB, rows of 1 MiB
+        for mb in link_mb:
+            rows = (mb * 10**6) >> 20
+            src = torch.empty(rows, 1 << 20, dtype=torch.uint8)
+            dst = torch.empty(rows, 1 << 20, dtype=torch.uint8, device=device)
+            self.link[f"link{mb}"] = RowCopy(dst, src.pin_memory() if cuda else src, 1)
         self.side = torch.cuda.Stream() if cuda else None  # why: the gathers' own stream, as TidalCache's
         self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None  # copy i finished
         self.mode: str | None = None
@@ -63,9 +72,9 @@ class Traffic:
     def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.mode is None or self.side is None:
             return
-        if self.mode == "big":
+        if self.mode == "big" or self.mode in self.link:
             if module.layer_idx == 0:
-                self.big(self.side)
+                self.link.get(self.mode, self.big)(self.side)  # why: on the side stream, as a gather's copies
             return
         if module.layer_idx % 2 == 0:
             return
@@ -87,6 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=60, help="timed rounds")
+    ap.add_argument(
+        "--link-mb",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time steps under one copy of this many MB each",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 256-token context")
     args = ap.parse_args(argv)
     import engines  # noqa: F401 - puts packages/*/src on the path
@@ -99,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(model_config(args.smoke), device, torch.float32 if args.smoke else torch.bfloat16)
     cfg = model.config
     heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    traffic = Traffic((2, 1, heads, ctx, dim), device)
+    traffic = Traffic((2, 1, heads, ctx, dim), device, tuple(args.link_mb))
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(traffic, with_kwargs=True)
-    names = ["dynamic", *(f"dynamic+{m}" for m in MODES), "tidal-resident", "tidal"]
+    modes = (*MODES, *traffic.link)
+    names = ["dynamic", *(f"dynamic+{m}" for m in modes), "tidal-resident", "tidal"]
     caches, toks = {}, {}
     for e in names:
         caches[e] = make_cache(e.split("+")[0], model, ctx + 1, page, 2)

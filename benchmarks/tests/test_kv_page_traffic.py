@@ -14,7 +14,7 @@ import page_traffic as pt
 
 def test_cpu_smoke_run(capsys) -> None:
     with torch_threads(2):
-        pt.main(["--smoke", "--steps", "2"])
+        pt.main(["--smoke", "--steps", "2", "--link-mb", "2"])
     out = capsys.readouterr().out
     names = (
         "dynamic",
@@ -22,6 +22,7 @@ def test_cpu_smoke_run(capsys) -> None:
         "dynamic+copies",
         "dynamic+waits",
         "dynamic+query",
+        "dynamic+link2",
         "tidal-resident",
         "tidal",
     )

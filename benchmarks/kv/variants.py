@@ -53,9 +53,14 @@ def _replace(files: dict[str, str], module: str, old: str, new: str) -> None:
 
 
 def no_copies(files: dict[str, str]) -> None:
-    """Issue no page copy or dequantization in gathers."""
-    _replace(files, "slots.py", "copy(stream)  # why", "pass  # copy(stream) why")
-    _replace(files, "slots.py", "run.decode()", "pass")
+    """Issue no page copy or dequantization in gathers (the partial page's copy stays)."""
+    _replace(files, "slots.py", "copies = tuple(c for run in self.runs for c in run.copies)", "copies = ()")
+    _replace(
+        files,
+        "slots.py",
+        "decodes = tuple(_on_stream(run.decode) for run in self.runs if run.decode is not None)",
+        "decodes = ()",
+    )
 
 
 def no_events(files: dict[str, str]) -> None:
@@ -71,7 +76,7 @@ def no_events(files: dict[str, str]) -> None:
 
 def eager(files: dict[str, str]) -> None:
     """Never capture a gather as a CUDA graph: issue its copies and dequantization one call each."""
-    _replace(files, "slots.py", "self.capture = ops > 1", "self.capture = False")
+    _replace(files, "slots.py", "self.capture = capture", "self.capture = False")
 
 
 def three_slots(files: dict[str, str]) -> None:

@@ -34,7 +34,6 @@ from tidal_kv.storage import (
     HostPagePool,
     PageChunk,
     balanced_chunk_pages,
-    decode_pages,
     device_chunk,
 )
 from tidal_kv.streams import CurrentStream, ranged, record, wait
@@ -277,41 +276,6 @@ class PagedKVCache(PageTransfers):
         if self._ahead:
             self._prefetch_ahead(layer)
         return out
-
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fresh contiguous copy of ``layer``'s K/V (slow path for inspection; not used while decoding).
-
-        Args:
-            layer: Layer index.
-
-        Returns:
-            ``(keys, values)``, each ``[B, H, T, D]`` on the cache's device, or empty ``[0]`` tensors if nothing
-            is cached yet.
-        """
-        self._check_layer(layer)
-        self.stats.inspections += 1
-        n = self._lengths[layer]
-        if self._shape is None or n == 0:
-            return torch.empty(0), torch.empty(0)
-        if layer not in self._offloaded_set:
-            k, v = self._res_at[layer].upto(n)
-            return k.clone(), v.clone()
-        self._sync_copies()
-        if self._cuda:
-            torch.cuda.current_stream(self._device).synchronize()  # why: the tail and pages must be settled
-        b, h, d = self._shape
-        p, cp = self.config.page_tokens, self._chunk_pages
-        full = n // p
-        out = torch.empty(2, b, h, n, d, dtype=self._dtype, device=self._device)  # [2, B, H, T, D]
-        for page in range(full):
-            chunk, i = divmod(page, cp)
-            src = self._host[layer][chunk].tokens(i * p, (i + 1) * p)
-            kv = src.data.to(self._device)  # [2, B, H, P, D]
-            if src.scale is not None:
-                kv = decode_pages(kv, src.scale.to(self._device), self._storage, self._dtype)
-            out[:, :, :, page * p : (page + 1) * p].copy_(kv)
-        out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
-        return out[0], out[1]
 
     def reset(self) -> None:
         """Forget every cached token (buffers are kept for the next sequence of the same shape)."""

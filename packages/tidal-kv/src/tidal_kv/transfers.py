@@ -1,5 +1,6 @@
 """The page traffic of :class:`~tidal_kv.PagedKVCache`: gathers of host pages into device slots (ahead of use,
-on the H2D stream), flushes of filled pages to the host (D2H stream), and the events that order them.
+on the H2D stream), flushes of filled pages to the host (D2H stream), the events that order them, and
+:meth:`~PageTransfers.gather`, the slow read of a layer's pages for inspection.
 
 A mixin: the state it works on (slots, streams, host chunks, counters) is the cache's, set up by
 ``PagedKVCache._materialize``; this module keeps the copy and event protocol in one place.
@@ -14,6 +15,7 @@ import torch
 
 from tidal_arena import RowCopy, copy_rows
 from tidal_kv.slots import GatherPlan, Slot, pick_slot
+from tidal_kv.storage import decode_pages
 from tidal_kv.streams import on, profiled, ranged, record, synchronize, wait
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,43 @@ class PageTransfers:
         self._inline = inline
         self.stats.gather_stream_switches += 1
         logger.debug("page gathers now on the %s stream", "compute" if inline else "side")
+
+    # ------------------------------------------------------------------ inspection
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh contiguous copy of ``layer``'s K/V (slow path for inspection; not used while decoding).
+
+        Args:
+            layer: Layer index.
+
+        Returns:
+            ``(keys, values)``, each ``[B, H, T, D]`` on the cache's device, or empty ``[0]`` tensors if nothing
+            is cached yet.
+        """
+        self._check_layer(layer)
+        self.stats.inspections += 1
+        n = self._lengths[layer]
+        if self._shape is None or n == 0:
+            return torch.empty(0), torch.empty(0)
+        if layer not in self._offloaded_set:
+            k, v = self._res_at[layer].upto(n)
+            return k.clone(), v.clone()
+        self._sync_copies()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()  # why: the tail and pages must be settled
+        b, h, d = self._shape
+        p, cp = self.config.page_tokens, self._chunk_pages
+        full = n // p
+        out = torch.empty(2, b, h, n, d, dtype=self._dtype, device=self._device)  # [2, B, H, T, D]
+        for page in range(full):
+            chunk, i = divmod(page, cp)
+            src = self._host[layer][chunk].tokens(i * p, (i + 1) * p)
+            kv = src.data.to(self._device)  # [2, B, H, P, D]
+            if src.scale is not None:
+                kv = decode_pages(kv, src.scale.to(self._device), self._storage, self._dtype)
+            out[:, :, :, page * p : (page + 1) * p].copy_(kv)
+        out[:, :, :, full * p :].copy_(self._tails[layer].at(0, n - full * p))
+        return out[0], out[1]
 
     # ------------------------------------------------------------------ gathers and flushes
 

@@ -653,3 +653,30 @@ def test_quantized_pages_are_dequantized_by_their_own_layers_update(storage):
     slot.staged.append(slot.plans[slot.owner])
     slot.take(5 if slot.owner != 5 else 3)  # another layer's staged pages are dropped with the slot
     assert slot.staged == [] and slot.pages == 0
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "nf4"])
+def test_auto_placement_fits_the_budget_with_every_staging_buffer_counted(storage):
+    """Whatever the budget, "auto" placement's device bytes (resident layers, slots and their staging, partial
+    pages, the flush chunk) stay within it, for every page format."""
+    per_layer = 2 * 1 * 2 * 32 * 32 * 4  # K+V, B=1, H=2, cap=32, D=32, fp32
+    fitted = 0
+    for budget in range(3 * per_layer, 8 * per_layer, per_layer // 8):
+        cache = PagedKVCache(8, 32, page_tokens=8, vram_budget=budget, storage=storage)
+        try:
+            _drive(cache, [9, 1], batch=1, heads=2, dim=32) if storage == "native" else _fill(cache, 32)
+        except KVCacheError:
+            continue  # too small for any placement: refused with numbers (test_budget_too_small_...)
+        assert cache.memory()["device_bytes"] <= budget, (budget, cache.offloaded_layers)
+        fitted += 1
+    assert fitted > 20
+
+
+def _fill(cache: PagedKVCache, dim: int) -> None:
+    """A prefill and a decode token through every layer (lossy formats: no comparison with torch.cat)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (9, 1):
+        for layer in range(cache.num_layers):
+            cache.update(
+                layer, torch.randn(1, 2, n, dim, generator=g), torch.randn(1, 2, n, dim, generator=g)
+            )

@@ -118,11 +118,9 @@ class PageTransfers:
         if plan is None or plan.key != (first, pages):
             plan = self._plan(layer, slot, first, pages)
         plan.issue(h2d)
-        if plan.finish is not None:
-            slot.staged.append(plan)  # dequantized by the layer's update (see `_finish`)
         # why: the compute stream waits on this before reading the slot
         slot.ready = slot.ready_ev = record(h2d, slot.ready_ev)
-        return self._gathered(slot, first, pages)
+        return self._gathered(slot, plan)
 
     def _gather_inline(self, layer: int, slot: Slot, first: int, pages: int) -> int:
         """:meth:`_gather` on the compute stream: stream order makes every event of a side gather unneeded
@@ -136,11 +134,9 @@ class PageTransfers:
             wait(compute, flushed)  # why: these host pages may still be in flight D2H
         plan = self._plan(layer, slot, first, pages)
         plan.issue(compute, self._h2d)  # why: captured on the side stream, launched in compute order
-        if plan.finish is not None:
-            slot.staged.append(plan)  # dequantized by the layer's update (see `_finish`)
         self._inline_used = self._cuda
         self.stats.inline_gathers += 1
-        return self._gathered(slot, first, pages)
+        return self._gathered(slot, plan)
 
     def _plan(self, layer: int, slot: Slot, first: int, pages: int) -> GatherPlan:
         """The (cached) plan of a gather of ``layer``'s pages ``[first, pages)`` into ``slot``."""
@@ -156,11 +152,10 @@ class PageTransfers:
         where the partial page's own copy would have been.
         """
         staged = slot.staged
-        plan = staged[0]
-        if page is not None and len(staged) == 1 and plan.key[1] == page and plan.tail_copy is not None:
-            plan.finish.issue(
-                compute, self._h2d
-            )  # why: captured on the side stream, launched in compute order
+        last = staged[-1]
+        if page is not None and len(staged) == 1 and last.key[1] == page and last.tail_copy is not None:
+            # why: captured on the side stream, launched in compute order
+            last.finish.issue(compute, self._h2d)
         else:
             for plan in staged:
                 plan.decode_now()
@@ -168,8 +163,12 @@ class PageTransfers:
                 slot.page(page, self._page_tokens).copy_(tail)  # [2, B, H, P, D]
         staged.clear()
 
-    def _gathered(self, slot: Slot, first: int, pages: int) -> int:
-        """Count a gather of pages ``[first, pages)`` into ``slot``; returns the pages copied."""
+    def _gathered(self, slot: Slot, plan: GatherPlan) -> int:
+        """Note ``plan``'s gather into ``slot`` (its pages ``[first, pages)``, and for quantized pages the
+        dequantization the layer's update owes, see `_finish`); returns the pages copied."""
+        first, pages = plan.key
+        if plan.finish is not None:
+            slot.staged.append(plan)
         self.stats.h2d_bytes += (pages - first) * self._page_bytes
         slot.pages = pages
         self.stats.pages_gathered += pages - first

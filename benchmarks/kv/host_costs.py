@@ -40,6 +40,8 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
     import torch
 
     from tidal_arena import RowCopy
+    from tidal_kv.slots import Slot
+    from tidal_kv.views import KVRange
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     k = torch.randn(1, heads, 1, head_dim, device=dev, dtype=bf)  # [B, H, 1, D]
@@ -70,6 +72,10 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
         "copy_ tail -> slot view": lambda: dst.copy_(part),
         "3 copy_ (offloaded decode)": three_copies,
         "_foreach_copy_ k,v -> tail": lambda: torch._foreach_copy_([tk, tv], [k, v]),
+        "KVRange.write_token k,v -> tail": functools.partial(
+            KVRange(tail[0], tail[1]).write_token, t_old, k, v
+        ),
+        "Slot.copy_page tail -> slot": functools.partial(Slot(slot).copy_page, context // page, page, tail),
         "torch.cat K,k (DynamicCache)": lambda: torch.cat([keys, k], dim=-2),
         "Event.record(stream)": lambda: ev.record(compute),
         "_CudaEventBase.record": lambda: base.record(ev, compute),
@@ -89,8 +95,9 @@ def primitives(heads: int, head_dim: int, context: int, page: int) -> dict[str, 
 
 
 def page_gathers(heads: int, head_dim: int, context: int, page: int) -> dict[str, Callable[[], None]]:
-    """One offloaded layer's whole gather of ``context`` tokens of pages (its copies and dequantization),
-    issued one call each and as the replay of its CUDA graph ([Note: gather graphs] in ``tidal_kv.slots``)."""
+    """One offloaded layer's gather of ``context`` tokens of pages: its copies (H2D stream) issued one call each
+    and as the replay of their CUDA graph ([Note: gather graphs] in ``tidal_kv.slots``), and for quantized pages
+    the dequantization its layer's update replays (see [Note: dequantization off the link] there)."""
     import torch
 
     from tidal_kv import PagedKVCache
@@ -102,12 +109,16 @@ def page_gathers(heads: int, head_dim: int, context: int, page: int) -> dict[str
         for layer in (0, 1):
             cache.update(layer, kv, kv)
         slot, h2d = cache._slots[0], cache._h2d
-        plan = slot.gather_plan(1, 0, context // page, cache._host[1], cache._chunk_layout, cache._h2d_stage)
+        plan = slot.gather_plan(
+            1, 0, context // page, cache._host[1], cache._chunk_layout, cache._tails[1].buf
+        )
         plan.issue(h2d)
         plan.issue(h2d)  # the second use captures the plan (more than one operation)
-        out[f"{storage} gather, one call each"] = functools.partial(plan._queue, h2d)
+        out[f"{storage} copies, one call each"] = functools.partial(plan.copies._queue, h2d)
         if plan.graph is not None:
-            out[f"{storage} gather, graph launch"] = functools.partial(plan.graph.launch, h2d)
+            out[f"{storage} copies, graph launch"] = functools.partial(plan.graph.launch, h2d)
+        if plan.finish is not None:
+            out[f"{storage} dequantization, one call each"] = plan.decode_now
     return out
 
 

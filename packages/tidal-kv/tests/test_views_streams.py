@@ -8,7 +8,7 @@ import torch
 from tidal_kv.slots import Slot, pick_slot, prefetch_order
 from tidal_kv.stats import KVStats
 from tidal_kv.streams import CurrentStream, wait
-from tidal_kv.views import TokenRange
+from tidal_kv.views import KVRange, RowWrites, TailPage, TokenRange
 from tidal_testing import devices
 
 
@@ -105,3 +105,76 @@ def test_wait_orders_work_behind_an_unfinished_event_and_skips_a_finished_one():
     ev.synchronize()
     wait(compute, ev)  # finished: nothing to wait for
     assert bool((x == 1.0).all())
+
+
+def test_row_writes_are_left_to_copy_on_the_cpu():
+    assert RowWrites.of(torch.zeros(1, 2, 8, 4)) is None
+    tail = TailPage(torch.zeros(2, 1, 2, 8, 4))
+    k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    tail.write(3, k, v)
+    assert torch.equal(tail.buf[0][:, :, 3:4], k) and torch.equal(tail.buf[1][:, :, 3:4], v)
+    assert not tail.buf[:, :, :, [0, 1, 2, 4, 5, 6, 7]].any()
+
+
+def _sources(b: int, h: int, d: int) -> dict[str, torch.Tensor]:
+    """[B, H, 1, D] one-token sources laid out as models make them: evenly spaced rows, except a slice of a fused
+    projection with B > 1 and H > 1 (heads D apart, batches 3·H·D apart)."""
+    proj = torch.randn(b, 1, h * d, device="cuda", dtype=torch.bfloat16)
+    fused = torch.randn(b, 1, 3 * h * d, device="cuda", dtype=torch.bfloat16)  # q, k, v in one projection
+    return {
+        "contiguous": torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16),
+        "transposed": proj.view(b, 1, h, d).transpose(1, 2),  # [B, 1, H, D] -> [B, H, 1, D]
+        "fused": fused[:, :, h * d : 2 * h * d].view(b, 1, h, d).transpose(1, 2),
+        "wide": torch.randn(b, h, 1, 2 * d, device="cuda", dtype=torch.bfloat16)[..., :d],  # rows 2·D apart
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h", [(1, 8), (3, 4), (2, 1), (1, 1)])
+def test_gpu_token_writes_land_exactly_where_copy_puts_them(b, h):
+    d, cap = 128, 40
+    for name, src in _sources(b, h, d).items():
+        k_buf, v_buf = (torch.randn(b, h, cap, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref_k, ref_v = k_buf.clone(), v_buf.clone()
+        at = KVRange(k_buf, v_buf)
+        assert at._k_rows is not None  # the memcpy path is what this test checks
+        v_src = src * 2
+        issued = at.write_token(17, src, v_src)
+        assert issued == (name != "fused" or b == 1 or h == 1), name
+        if not issued:
+            at.write(17, src, v_src)  # the caller's copy
+        ref_k[:, :, 17:18] = src
+        ref_v[:, :, 17:18] = v_src
+        torch.cuda.synchronize()
+        assert torch.equal(k_buf, ref_k) and torch.equal(v_buf, ref_v), name
+
+
+@pytest.mark.gpu
+def test_gpu_tail_page_writes_and_slot_page_copies_match_copy():
+    b, h, p, d, cap = 2, 4, 16, 64, 64
+    tail = TailPage(torch.zeros(2, b, h, p, d, device="cuda", dtype=torch.bfloat16))
+    k, v = (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    tail.write(5, k, v)
+    slot = Slot(torch.randn(2, b, h, cap, d, device="cuda", dtype=torch.bfloat16))
+    assert slot._rows is not None
+    ref = slot.kv.clone()
+    slot.copy_page(2, p, tail.buf)
+    ref[:, :, :, 2 * p : 3 * p] = tail.buf
+    torch.cuda.synchronize()
+    assert torch.equal(tail.buf[0][:, :, 5:6], k) and torch.equal(tail.buf[1][:, :, 5:6], v)
+    assert torch.count_nonzero(tail.buf) == 2 * b * h * d  # nothing else was written
+    assert torch.equal(slot.kv, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_token_writes_follow_the_current_stream():
+    side = torch.cuda.Stream()
+    buf = torch.zeros(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    at = KVRange(buf, torch.zeros_like(buf))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # why: the source is made late on the side stream
+        src = torch.ones(1, 2, 1, 64, device="cuda", dtype=torch.bfloat16)
+        assert at.write_token(3, src, src)  # queued behind the sleep and the fill, on the side stream
+    side.synchronize()
+    assert bool((buf[:, :, 3] == 1).all()) and int(torch.count_nonzero(buf)) == 2 * 64

@@ -13,7 +13,7 @@ from tidal_arena.config import ArenaConfig, memlock_limit_bytes, physical_ram_by
 from tidal_arena.errors import ArenaError, ArenaExhausted, PageLockLimitError
 from tidal_arena.graphs import StreamGraph
 from tidal_arena.pin import is_registered, pin_, unpin_
-from tidal_arena.rows import RowCopy, Rows, copy_rows, rows_of
+from tidal_arena.rows import RowCopy, Rows, copy_rows, cuda_runtime, rows_of
 from tidal_arena.staging import StagingRing
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "__version__",
     "arena_stats",
     "copy_rows",
+    "cuda_runtime",
     "is_registered",
     "memlock_limit_bytes",
     "physical_ram_bytes",

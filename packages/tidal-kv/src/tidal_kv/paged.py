@@ -172,7 +172,7 @@ class PagedKVCache(PageTransfers):
         # [Note: decode host path] a batch-1 decode step is bound by the host, and this runs once per layer
         # and step. A decode token's update (one token; for an offloaded layer, its slot prefetched and no
         # page filling) takes a flat path, `_step_resident` / `_step_offloaded`, with views made once where
-        # steps repeat them (`TailPage.token`, `Slot.page`); everything else (prefill, page boundaries,
+        # steps repeat them (`TailPage.write`, `Slot.page`); everything else (prefill, page boundaries,
         # on-demand gathers, growth, the first update) takes `_update`, which checks and explains. Measured:
         # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
         # in a whole 8B decode step on the GPU machine the gain stayed inside the rounds' spread
@@ -233,15 +233,13 @@ class PagedKVCache(PageTransfers):
         s, p = self._lengths[layer], self._page_tokens
         page, t = divmod(s, p)
         tail = self._tails[layer]
-        wk, wv = tail.token(t)  # [B, H, 1, D] each
-        wk.copy_(k)
-        wv.copy_(v)
+        tail.write(t, k, v)
         # the whole partial page (K and V, all P tokens: one fixed view; attention reads its first t + 1)
         # goes behind the gathered pages; staged quantized pages are dequantized with it
         if slot.staged:
             self._finish(slot, compute, page, tail.buf)
         else:
-            slot.page(page, p).copy_(tail.buf)  # [2, B, H, P, D]
+            slot.copy_page(page, p, tail.buf)
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)

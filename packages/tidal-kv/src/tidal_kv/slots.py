@@ -32,7 +32,7 @@ from tidal_arena import RowCopy, StreamGraph
 from tidal_kv.stats import KVStats
 from tidal_kv.storage import ChunkLayout, PageChunk
 from tidal_kv.streams import on
-from tidal_kv.views import KVRange, TokenRange
+from tidal_kv.views import KVRange, RowWrites, TokenRange
 
 
 class GatherRun(NamedTuple):
@@ -188,10 +188,13 @@ class Slot:
     staged: list[GatherPlan] = field(init=False, default_factory=list)
     # page index -> kv's [2, B, H, P, D] view of that page (see `page`)
     _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
+    # copies into kv's token ranges as one memcpy (see [Note: token writes] in tidal_kv.views); None on the CPU
+    _rows: RowWrites | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.k, self.v = self.kv.unbind(0)
         self.kv_at, self.both = TokenRange(self.kv), KVRange(self.k, self.v)
+        self._rows = RowWrites.of(self.kv)
 
     def take(self, layer: int | None) -> None:
         """Give the slot to ``layer`` (None: to no one), holding none of its pages."""
@@ -205,6 +208,14 @@ class Slot:
         if view is None:
             view = self._pages[index] = self.kv_at(index * page_tokens, page_tokens)
         return view
+
+    def copy_page(self, index: int, page_tokens: int, tail: torch.Tensor) -> None:
+        """Copy a layer's contiguous partial page ``tail`` ``[2, B, H, P, D]`` into page ``index`` (on the current
+        stream: one memcpy where the slot allows, else ``copy_`` into :meth:`page`'s view)."""
+        if self._rows is not None:
+            self._rows.rows(index * page_tokens, tail)
+        else:
+            self.page(index, page_tokens).copy_(tail)
 
     def gather_plan(
         self,

@@ -160,7 +160,7 @@ class PageTransfers:
             for plan in staged:
                 plan.decode_now()
             if page is not None:
-                slot.page(page, self._page_tokens).copy_(tail)  # [2, B, H, P, D]
+                slot.copy_page(page, self._page_tokens, tail)
         staged.clear()
 
     def _gathered(self, slot: Slot, plan: GatherPlan) -> int:

@@ -243,7 +243,7 @@ class PagedKVCache(PageTransfers):
         self._lengths[layer] = s + 1
         if self._ahead:
             self._prefetch_ahead(layer)
-        return slot.both.upto(s + 1)
+        return slot.upto(s + 1)
 
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` in general: checks every argument, materializes, grows, gathers on demand."""

@@ -141,15 +141,16 @@ class GatherPlan:
         decodes = tuple(_on_stream(run.decode) for run in self.runs if run.decode is not None)
         tail = (self.tail_copy,) if self.tail_copy is not None else ()
         self.finish = ReplayedCalls(decodes + tail, capture=True) if decodes else None
+        self.issue = self.copies.issue  # one call frame less per gather on the decode path
 
     @property
     def graph(self) -> StreamGraph | None:
         """The copies' graph, once captured."""
         return self.copies.graph
 
-    def issue(self, stream: Any, capture_stream: Any = None) -> None:
-        """Queue the gather's copies on ``stream`` (see :meth:`ReplayedCalls.issue`)."""
-        self.copies.issue(stream, capture_stream)
+    issue: Callable[..., None] = field(init=False)
+    """``issue(stream, capture_stream=None)``: queue the gather's copies on ``stream`` (:meth:`ReplayedCalls.issue`
+    of :attr:`copies`)."""
 
     def decode_now(self) -> None:
         """Dequantize the staged pages on the current stream, call by call (the rare paths: a prefill, a page
@@ -190,6 +191,9 @@ class Slot:
     _pages: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     # copies into kv's token ranges as one memcpy (see [Note: token writes] in tidal_kv.views); None on the CPU
     _rows: RowWrites | None = field(init=False)
+    # the K and V views `upto` handed out last, and their length
+    _upto: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
+    _upto_n: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
         self.k, self.v = self.kv.unbind(0)
@@ -208,6 +212,14 @@ class Slot:
         if view is None:
             view = self._pages[index] = self.kv_at(index * page_tokens, page_tokens)
         return view
+
+    def upto(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[B, H, n, D]`` K and V views of tokens ``[0, n)``: the same two tensors for every layer that reads
+        ``n`` tokens of this slot in a row, as the offloaded layers of one decode step do (half of them per slot
+        with two slots), so a step makes one pair of views per slot instead of one per layer."""
+        if n != self._upto_n:
+            self._upto, self._upto_n = self.both.upto(n), n
+        return self._upto
 
     def copy_page(self, index: int, page_tokens: int, tail: torch.Tensor) -> None:
         """Copy a layer's contiguous partial page ``tail`` ``[2, B, H, P, D]`` into page ``index`` (on the current

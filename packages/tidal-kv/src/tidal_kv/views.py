@@ -67,20 +67,20 @@ class RowWrites:
         row = st[1] if h > 1 else st[0] if b > 1 else self._d  # elements from one row to the next
         if (st[3] != 1 and self._d > 1) or row < self._d or (b > 1 and h > 1 and st[0] != h * row):
             return False
-        self._issue(start, src.data_ptr(), row * self._elt)
+        elt = self._elt
+        self._runtime.memcpy2DAsync(
+            self._base + start * self._step, self._pitch, src.data_ptr(), row * elt, self._d * elt, self._rows,
+            _MEMCPY_DEFAULT, _RAW_STREAM(self._index),  # why: queued in order with what produced the source
+        )  # fmt: skip
         return True
 
     def rows(self, start: int, src: torch.Tensor) -> None:
         """Copy a contiguous ``src`` of the buffer's leading shape and ``n`` tokens into tokens
         ``[start, start + n)`` (the caller guarantees the shape and contiguity)."""
-        self._issue(start, src.data_ptr(), src.shape[-2] * self._d * self._elt, src.shape[-2])
-
-    def _issue(self, start: int, src_ptr: int, src_pitch: int, tokens: int = 1) -> None:
-        width = tokens * self._d * self._elt
-        stream = _RAW_STREAM(self._index)  # why: queued in order with what produced the source
+        width = src.shape[-2] * self._d * self._elt  # the source's rows are back to back
         self._runtime.memcpy2DAsync(
-            self._base + start * self._step, self._pitch, src_ptr, src_pitch, width, self._rows,
-            _MEMCPY_DEFAULT, stream,
+            self._base + start * self._step, self._pitch, src.data_ptr(), width, width, self._rows,
+            _MEMCPY_DEFAULT, _RAW_STREAM(self._index),  # why: queued in order with what produced the source
         )  # fmt: skip
 
 

@@ -177,12 +177,18 @@ class PagedKVCache(PageTransfers):
         # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
         # in a whole 8B decode step on the GPU machine the gain stayed inside the rounds' spread
         # (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`).
+        token = self._token_shape  # [B, H, 1, D] once the shapes are known, else None
         if (
             type(layer) is int
             and 0 <= layer < self._num_layers
-            and self._shape is not None
-            and same_layout(k, v, self._shape, self._dtype, self._device)
-            and k.shape[2] == 1
+            and type(k) is torch.Tensor
+            and type(v) is torch.Tensor
+            and k.shape == token
+            and v.shape == token
+            and k.dtype is self._dtype  # why `is`: dtypes are singletons
+            and v.dtype is self._dtype
+            and k.device == self._device
+            and v.device == self._device
             and not (k.requires_grad or v.requires_grad)
             and self._lengths[layer] < self._capacity
         ):
@@ -218,7 +224,8 @@ class PagedKVCache(PageTransfers):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode token of an offloaded layer whose full pages were prefetched into ``slot`` and whose
         partial page does not fill (see [Note: decode host path])."""
-        compute = self._compute()
+        current_stream = self._current_stream  # `_compute()` without its call frame: None on the CPU
+        compute = current_stream() if current_stream is not None else None
         cur = self._current
         if cur is not None and not self._inline:
             # why: hand back the slot the previous update returned (see `_release_current`)
@@ -359,6 +366,7 @@ class PagedKVCache(PageTransfers):
             self._sync_copies()
             self._pool.release()
         self._shape = None
+        self._token_shape: torch.Size | None = None  # a decode token's [B, H, 1, D] (`update`'s fast test)
         self._pool: HostPagePool | None = None
         # resident layer -> its [B, H, cap, D] K and V buffers, as token ranges (`.buf` is the buffer)
         self._res_at: dict[int, KVRange] = {}
@@ -388,6 +396,7 @@ class PagedKVCache(PageTransfers):
     def _materialize(self, k: torch.Tensor) -> None:
         c = self.config
         self._shape = (k.shape[0], k.shape[1], k.shape[3])
+        self._token_shape = torch.Size((k.shape[0], k.shape[1], 1, k.shape[3]))
         self._dtype, self._device = k.dtype, k.device
         self._storage = c.storage
         self._quantized = c.storage != "native"  # pages are staged in their format, then dequantized

@@ -328,6 +328,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     bad = [e for e in args.engine_list if e not in ENGINES]
     if bad:
         ap.error(f"--engines: unknown {bad}; accepted {list(ENGINES)}")
+    timed = [e for e in args.engine_list if not (args.smoke and e == "offloaded")]  # see main
+    floor = sum(RESERVE_S[e] for e in timed)
+    if not args.worker and args.budget_s < floor:
+        # why: each engine's deadline keeps the later engines' reserves back, so a short budget would leave the
+        # first engines a few seconds and turn their cases into timeout rows
+        ap.error(
+            f"--budget-s: got {args.budget_s:g}; the engines {','.join(timed)} need at least {floor:g} s together "
+            f"({', '.join(f'{e} {RESERVE_S[e]:g}' for e in timed)}): pass --budget-s {floor:g} or more, or fewer --engines"
+        )
     return args
 
 

@@ -141,6 +141,17 @@ def test_bad_options_are_named(argv, match, capsys) -> None:
     assert match in capsys.readouterr().err
 
 
+def test_a_budget_too_short_for_the_engines_is_refused_with_what_they_need(capsys) -> None:
+    four = ["--engines", "dynamic,tidal,tidal-nf4,offloaded"]
+    with pytest.raises(SystemExit):
+        decode.parse([*four, "--budget-s", "190"])
+    err = capsys.readouterr().err
+    assert "--budget-s: got 190" in err and "at least 210 s" in err and "offloaded 75" in err
+    assert decode.parse([*four, "--budget-s", "210"]).budget_s == 210
+    assert decode.parse([]).budget_s == 200  # the default engines fit the default budget
+    assert decode.parse(["--smoke", *four, "--budget-s", "140"]).smoke  # no offloaded cache on the CPU
+
+
 @pytest.mark.slow
 def test_smoke_run_end_to_end(capsys) -> None:
     rc = decode.main(["--smoke", "--engines", "dynamic,tidal", "--contexts", "40", "--batches", "2"])

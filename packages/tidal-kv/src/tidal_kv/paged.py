@@ -172,8 +172,9 @@ class PagedKVCache(PageTransfers):
         # [Note: decode host path] a batch-1 decode step is bound by the host, and this runs once per layer
         # and step. A decode token's update (one token; for an offloaded layer, its slot prefetched and no
         # page filling) takes a flat path, `_step_resident` / `_step_offloaded`, with views made once where
-        # steps repeat them (`TailPage.write`, `Slot.page`); everything else (prefill, page boundaries,
-        # on-demand gathers, growth, the first update) takes `_update`, which checks and explains. Measured:
+        # steps repeat them (`Slot.page`, `Slot.upto`, `TailPage.write`'s CPU views); everything else (prefill,
+        # page boundaries, on-demand gathers, growth, the first update) takes `_update`, which checks and
+        # explains. Measured:
         # the cache-only loop of `benchmarks/kv/overhead.py` went from 20-21 to 16-17 µs per layer on a CPU;
         # in a whole 8B decode step on the GPU machine the gain stayed inside the rounds' spread
         # (`benchmarks/kv/ab.py`; results `diag-kv-ab-*`).
